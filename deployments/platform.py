@@ -72,3 +72,23 @@ def cards_on_this_node(resource: str) -> int:
         if node.get("NodeID") == node_id:
             return int(node.get("Resources", {}).get(resource, 1))
     return 1
+
+
+def platform_facts(kind: str):
+    """Engine and plugin versions for the prefix-cache policy, read without side effects.
+
+    vllm-ascend is only imported on the ``ascend`` platform (never on a machine without an NPU).
+    """
+    import vllm
+
+    from deployments.prefix_cache_policy import PlatformFacts
+
+    plugin = None
+    if kind == "ascend":
+        try:
+            import vllm_ascend  # type: ignore[import-not-found]
+
+            plugin = getattr(vllm_ascend, "__version__", None)
+        except ImportError:
+            plugin = None
+    return PlatformFacts(platform=kind, vllm_version=vllm.__version__, vllm_ascend_version=plugin)

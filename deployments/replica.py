@@ -29,11 +29,14 @@ from deployments.errors import (
     InvalidTokenId,
     UnsupportedParameter,
 )
+from deployments.model_facts import read_model_facts
 from deployments.platform import (
     card_identity,
     cards_on_this_node,
+    platform_facts,
     prepare_cpu_process,
 )
+from deployments.prefix_cache_policy import resolve as resolve_prefix_cache
 from deployments.registry import HEARTBEAT_INTERVAL_S
 
 logger = logging.getLogger("embedfleet.replica")
@@ -65,12 +68,15 @@ def load_factory(path: str) -> Callable[..., EmbeddingEngine]:
 
 
 def decide_prefix_cache(cfg: EmbedfleetConfig, m: ModelConfig) -> tuple[bool, str]:
-    """Prefix caching for this model; the per-model-type policy refines ``auto``."""
-    if m.prefix_cache == "off":
-        return False, "disabled by config"
-    if m.prefix_cache == "on":
-        return True, "enabled by config"
-    return False, "auto: off until the model type is known safe"
+    """Resolve ``prefix_cache: auto|on|off`` from the model's own config and the engine versions.
+
+    ``on`` over a known-bad combination raises ``PrefixCacheRefused`` (the replica does not start,
+    and Serve shows the reason) unless ``prefix_cache_accept_risk`` is set.
+    """
+    facts = read_model_facts(m.source.local_dir(), kv_cache_dtype=m.engine.kv_cache_dtype)
+    decision = resolve_prefix_cache(m.prefix_cache, facts, platform_facts(cfg.platform.kind),
+                                    accept_risk=m.prefix_cache_accept_risk)
+    return decision.enabled, decision.reason
 
 
 class EngineReplica:

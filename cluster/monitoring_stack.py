@@ -9,6 +9,7 @@ the state dir, so `embedfleet down` (another process) can stop it.
 from __future__ import annotations
 
 import httpx
+import yaml
 
 from cluster.prometheus_server import PrometheusStartError, find_binary, start_prometheus
 from cluster.prometheus_server import stop_from_pidfile
@@ -39,8 +40,13 @@ def start_monitoring(cfg: EmbedfleetConfig) -> str | None:
             return url
     except httpx.HTTPError:
         pass
-    start_prometheus(render_prometheus_config(), _data_dir(), settings().prometheus_port,
-                     detach=True)
+    text = render_prometheus_config(extra_targets=cfg.monitoring.npu_exporter_targets)
+    if cfg.monitoring.scrape_interval_s:
+        data = yaml.safe_load(text)
+        data["global"]["scrape_interval"] = f"{cfg.monitoring.scrape_interval_s}s"
+        data["global"]["evaluation_interval"] = f"{cfg.monitoring.scrape_interval_s}s"
+        text = yaml.safe_dump(data, sort_keys=False)
+    start_prometheus(text, _data_dir(), settings().prometheus_port, detach=True)
     return url
 
 

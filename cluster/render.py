@@ -10,6 +10,7 @@ from deployments.config import EmbedfleetConfig, config_to_data, parse_config
 from deployments.options import (
     RUNTIME_ENV_VARS,
     engine_deployment_options,
+    governor_deployment_options,
     registry_deployment_options,
     router_deployment_options,
 )
@@ -18,7 +19,8 @@ IMPORT_PATH = "deployments.app:build_app"
 
 
 def serve_config(cfg: EmbedfleetConfig) -> dict[str, Any]:
-    deployments = [router_deployment_options(cfg), registry_deployment_options(cfg)]
+    deployments = [router_deployment_options(cfg), registry_deployment_options(cfg),
+                   governor_deployment_options(cfg)]
     deployments += [engine_deployment_options(cfg, m) for m in cfg.models]
     return {
         "proxy_location": "EveryNode",
@@ -44,3 +46,10 @@ def config_from_serve_yaml(text: str) -> EmbedfleetConfig:
     """The embedfleet config a rendered Serve YAML carries (for round-trip checks)."""
     data = yaml.safe_load(text)
     return parse_config(data["applications"][0]["args"]["config"], "rendered Serve YAML")
+
+
+def load_serve_yaml(path: str) -> tuple[dict[str, Any], EmbedfleetConfig]:
+    """A (possibly hand-edited) rendered Serve config and the embedfleet config inside it."""
+    with open(path) as f:
+        text = f.read()
+    return yaml.safe_load(text), config_from_serve_yaml(text)

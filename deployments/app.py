@@ -12,9 +12,11 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from deployments.config import EmbedfleetConfig, config_to_data, parse_config
+from deployments.config import ConfigError, EmbedfleetConfig, config_to_data, parse_config
+from deployments.governor import MemoryGovernor
 from deployments.options import (
     engine_deployment_options,
+    governor_deployment_options,
     registry_deployment_options,
     router_deployment_options,
 )
@@ -23,20 +25,35 @@ from deployments.replica import DEFAULT_ENGINE_FACTORY, EngineReplica
 from deployments.router import Router
 
 
-def build(cfg: EmbedfleetConfig, engine_factory: str = DEFAULT_ENGINE_FACTORY) -> Application:
+def build(cfg: EmbedfleetConfig,
+          engine_factories: dict[str, str] | None = None) -> Application:
+    """``engine_factories`` maps a model name to the import path of its engine factory; the
+    default is the real vLLM engine. Tests and demos use it to wrap one model's engine in a fault
+    injector (``deployments/fault_injectors.py``) — it is deliberately not part of the config."""
+    factories = engine_factories or {}
     data = config_to_data(cfg)
     registry = serve.deployment(FleetRegistry).options(
         **registry_deployment_options(cfg)).bind()
+    governor = serve.deployment(MemoryGovernor).options(
+        **governor_deployment_options(cfg)).bind(data)
     engines = {
         m.name: serve.deployment(EngineReplica).options(
-            **engine_deployment_options(cfg, m)).bind(data, m.name, registry, engine_factory)
+            **engine_deployment_options(cfg, m)).bind(
+                data, m.name, registry, factories.get(m.name, DEFAULT_ENGINE_FACTORY), governor)
         for m in cfg.models
     }
     return serve.deployment(Router).options(**router_deployment_options(cfg)).bind(
-        data, engines, registry)
+        data, engines, registry, governor)
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Serve's application-builder entry point."""
     cfg = parse_config(args.get("config"), "Serve application args.config")
-    return build(cfg, args.get("engine_factory", DEFAULT_ENGINE_FACTORY))
+    unknown = set(args) - {"config", "engine_factories"}
+    if unknown:
+        raise ConfigError(f"unknown Serve application args: {sorted(unknown)}")
+    factories = args.get("engine_factories") or {}
+    missing = sorted(set(factories) - {m.name for m in cfg.models})
+    if missing:
+        raise ConfigError(f"engine_factories names models that are not configured: {missing}")
+    return build(cfg, factories)

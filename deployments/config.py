@@ -26,6 +26,7 @@ from pydantic import (
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 
+from deployments.governor import GovernorConfig
 from deployments.prefix_cache_policy import Platform, PrefixCacheSetting  # one definition
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -134,6 +135,27 @@ class ReplicaBounds(_Strict):
         return self.min_replicas == self.max_replicas
 
 
+class AdmissionConfig(_Strict):
+    """Per-card admission budget in front of the engine (the governor lowers it under pressure).
+
+    vLLM's scheduler limits are fixed at engine start, so the brake is here: sequences and tokens
+    in flight per replica. ``None`` ceilings = the engine's ``max_num_seqs`` and
+    ``max_num_batched_tokens``."""
+
+    max_sequences: PositiveInt | None = None
+    max_tokens: PositiveInt | None = None
+    queue_timeout_s: PositiveFloat = Field(
+        default=30, description="How long a call may wait for budget before it gets 429.")
+    max_waiting: PositiveInt = Field(default=1024, description="Calls queued per replica.")
+
+
+class MonitoringConfig(_Strict):
+    npu_exporter_targets: list[str] = Field(
+        default_factory=list, description="host:port of Ascend npu-exporters to scrape.")
+    scrape_interval_s: PositiveInt | None = Field(
+        default=None, description="Override of the shipped scrape interval (tests use 1 s).")
+
+
 class ModelConfig(_Strict):
     name: ModelName = Field(description="The `model` field clients send.")
     source: ModelSource
@@ -146,7 +168,16 @@ class ModelConfig(_Strict):
     prefix_cache_accept_risk: bool = Field(
         default=False, description="Let `on` override a known-bad engine/plugin combination."
     )
+    canary_interval_s: PositiveFloat = Field(
+        default=300, description="Seconds between prefix-cache canary runs (where it is on)."
+    )
     replicas: ReplicaBounds = ReplicaBounds()
+    admission: AdmissionConfig = AdmissionConfig()
+
+    @property
+    def budget_ceiling(self) -> dict[str, int]:
+        return {"max_sequences": self.admission.max_sequences or self.engine.max_num_seqs,
+                "max_tokens": self.admission.max_tokens or self.engine.max_num_batched_tokens}
 
 
 class PlatformProfile(_Strict):
@@ -192,6 +223,8 @@ class EmbedfleetConfig(_Strict):
     cards: PositiveInt = Field(default=1, description="Logical cards `embedfleet up` starts with.")
     models: list[ModelConfig] = Field(min_length=1)
     router: RouterConfig = RouterConfig()
+    governor: GovernorConfig = GovernorConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
     health_check_period_s: PositiveFloat = 10
     health_check_timeout_s: PositiveFloat = 30
 

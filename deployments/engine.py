@@ -49,8 +49,10 @@ class EmbeddingEngine(Protocol):
         """Token ids exactly as the engine would produce them (special tokens included)."""
 
     async def embed(self, token_ids: list[list[int]], *, request_id: str,
-                    dimensions: int | None = None) -> list[Embedding]:
-        """One vector per input, in input order."""
+                    dimensions: int | None = None,
+                    skip_prefix_cache: bool = False) -> list[Embedding]:
+        """One vector per input, in input order. ``skip_prefix_cache``: compute without reading
+        the prefix cache (the canary's reference, and the safe mode after a canary failure)."""
 
     async def check_health(self) -> None:
         """Raise if the engine cannot embed."""
@@ -100,11 +102,13 @@ class VllmEmbeddingEngine:
         # Batched fast-tokenizer call; same settings vLLM applies to a text prompt.
         return [list(ids) for ids in self._tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
-    async def _one(self, ids: list[int], request_id: str, dimensions: int | None) -> Embedding:
+    async def _one(self, ids: list[int], request_id: str, dimensions: int | None,
+                   skip_prefix_cache: bool) -> Embedding:
         from vllm import PoolingParams
         from vllm.inputs import TokensPrompt
 
-        params = PoolingParams(task="embed", dimensions=dimensions)
+        params = PoolingParams(task="embed", dimensions=dimensions,
+                               skip_reading_prefix_cache=skip_prefix_cache or None)
         out = None
         async for out in self._llm.encode(TokensPrompt(prompt_token_ids=ids), params,
                                           request_id=request_id):
@@ -117,11 +121,13 @@ class VllmEmbeddingEngine:
                          int(out.num_cached_tokens or 0))
 
     async def embed(self, token_ids: list[list[int]], *, request_id: str,
-                    dimensions: int | None = None) -> list[Embedding]:
+                    dimensions: int | None = None,
+                    skip_prefix_cache: bool = False) -> list[Embedding]:
         if self._llm.errored:
             raise EngineDead("vLLM engine core is not running")
-        tasks = [asyncio.ensure_future(self._one(ids, f"{request_id}-{i}", dimensions))
-                 for i, ids in enumerate(token_ids)]
+        tasks = [asyncio.ensure_future(
+            self._one(ids, f"{request_id}-{i}", dimensions, skip_prefix_cache))
+            for i, ids in enumerate(token_ids)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:

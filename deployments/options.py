@@ -13,6 +13,7 @@ from deployments.config import EmbedfleetConfig, ModelConfig
 
 ROUTER_NAME = "Router"
 REGISTRY_NAME = "FleetRegistry"
+GOVERNOR_NAME = "MemoryGovernor"
 RUNTIME_ENV_VARS = {
     "HF_HUB_OFFLINE": "1",  # weights come from local folders or packages, never a hub at run time
     "TOKENIZERS_PARALLELISM": "false",
@@ -68,3 +69,9 @@ def router_deployment_options(cfg: EmbedfleetConfig) -> dict[str, Any]:
 
 def registry_deployment_options(cfg: EmbedfleetConfig) -> dict[str, Any]:
     return {"name": REGISTRY_NAME, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}
+
+
+def governor_deployment_options(cfg: EmbedfleetConfig) -> dict[str, Any]:
+    """One replica, no card: it only queries Prometheus and hands out limits."""
+    return {"name": GOVERNOR_NAME, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0},
+            "max_ongoing_requests": 1000}

@@ -129,12 +129,14 @@ def encode_vector(vec: np.ndarray, encoding: EncodingFormat) -> Any:
 
 
 def embedding_response(vectors: list[np.ndarray], *, model: str, prompt_tokens: int,
-                       encoding: EncodingFormat) -> bytes:
+                       encoding: EncodingFormat, cached_tokens: int = 0) -> bytes:
     body = {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, encoding)}
                  for i, v in enumerate(vectors)],
         "model": model,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        # prompt_tokens_details.cached_tokens: prefix-cache hits, as OpenAI reports them for chat.
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens}},
     }
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -20,9 +20,25 @@ class FleetRegistry:
     def __init__(self, ttl_s: float = HEARTBEAT_TTL_S) -> None:
         self._ttl_s = ttl_s
         self._replicas: dict[str, dict[str, Any]] = {}
+        # Held in this replica's memory: a registry restart forgets overrides, and the next
+        # failing canary sets them again.
+        self._overrides: dict[str, dict[str, Any]] = {}
 
-    def heartbeat(self, info: dict[str, Any]) -> None:
+    def heartbeat(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Record a replica; answer with what the fleet wants of it (prefix-cache override)."""
         self._replicas[info["replica_id"]] = {**info, "seen_at": time.time()}
+        return {"prefix_cache_override": self._overrides.get(info["model"])}
+
+    # -- prefix cache switched off by a failed canary: stays off until an operator clears it --
+    def disable_prefix_cache(self, model: str, reason: str, canary: dict[str, Any]) -> None:
+        if model not in self._overrides:
+            self._overrides[model] = {"reason": reason, "canary": canary, "at": time.time()}
+
+    def prefix_cache_override(self, model: str) -> dict[str, Any] | None:
+        return self._overrides.get(model)
+
+    def clear_prefix_cache_override(self, model: str) -> bool:
+        return self._overrides.pop(model, None) is not None
 
     def leave(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)

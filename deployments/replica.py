@@ -37,6 +37,10 @@ from deployments.platform import (
     prepare_cpu_process,
 )
 from deployments.prefix_cache_policy import resolve as resolve_prefix_cache
+from deployments.budget import AdmissionBudget
+from deployments.canary import run_canary
+from deployments.card_memory import CardMemorySampler, CardMemoryUnavailable
+from deployments.fingerprint import fingerprint_headers, model_digest
 from deployments.registry import HEARTBEAT_INTERVAL_S
 
 logger = logging.getLogger("embedfleet.replica")
@@ -52,6 +56,7 @@ class EmbedCall:
     inputs: list[str] | list[list[int]]
     dimensions: int | None = None
     request_id: str = ""
+    model: str = ""
 
 
 @dataclass
@@ -60,6 +65,7 @@ class EmbedResult:
     prompt_tokens: int
     cached_tokens: int
     replica_id: str
+    fingerprint: dict[str, str]
 
 
 def load_factory(path: str) -> Callable[..., EmbeddingEngine]:
@@ -81,7 +87,7 @@ def decide_prefix_cache(cfg: EmbedfleetConfig, m: ModelConfig) -> tuple[bool, st
 
 class EngineReplica:
     async def __init__(self, config: dict[str, Any], model_name: str, registry: Any = None,
-                       engine_factory: str = DEFAULT_ENGINE_FACTORY) -> None:
+                       engine_factory: str = DEFAULT_ENGINE_FACTORY, governor: Any = None) -> None:
         self.cfg = parse_config(config, "deployment args")
         self.model_cfg = self.cfg.model(model_name)
         resource = self.cfg.platform.card_resource
@@ -90,10 +96,26 @@ class EngineReplica:
             binding = prepare_cpu_process(self.card.device, cards_on_this_node(resource))
             logger.info("CPU card %s: vLLM threads bound to cores %s", self.card.device, binding)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download weights at run time
+        self._registry = registry
+        self._governor = governor
+        self._factory = load_factory(engine_factory)
+        adm = self.model_cfg.admission
+        self.ceiling = self.model_cfg.budget_ceiling
+        self.budget = AdmissionBudget(
+            self.ceiling["max_sequences"], self.ceiling["max_tokens"],
+            max_waiting=adm.max_waiting, queue_timeout_s=adm.queue_timeout_s,
+            on_reject=lambda reason: metrics.get("embedfleet_overload_rejections_total").inc(
+                1, tags={"model": model_name, "reason": reason}))
+        self.limits: dict[str, Any] = {**self.ceiling, "stale": False,
+                                       "reason": "ceiling (no governor reading yet)"}
         self.prefix_cache, self.prefix_cache_reason = decide_prefix_cache(self.cfg, self.model_cfg)
-        kwargs = self.cfg.engine_kwargs(self.model_cfg, enable_prefix_caching=self.prefix_cache)
-        self.engine: EmbeddingEngine = load_factory(engine_factory)(kwargs)
+        override = await self._registry.prefix_cache_override.remote(model_name) \
+            if (self._registry is not None and self.prefix_cache) else None
+        if override:
+            self.prefix_cache, self.prefix_cache_reason = False, override["reason"]
+        self.engine: EmbeddingEngine = self._build(self.prefix_cache)
         self.info: EngineInfo = self.engine.info
+        self.digest = model_digest(self.model_cfg.source.local_dir())
         try:
             from ray import serve
 
@@ -103,14 +125,127 @@ class EngineReplica:
         self._tags = {"model": model_name, "node": self.card.node_ip, "device": self.card.device}
         self._inflight_seqs = 0
         self._inflight_tokens = 0
+        self._calls_by_engine: dict[int, int] = {}
+        self._skip_reads = False  # safe mode between a failed canary and the engine swap
+        self._switching: asyncio.Task | None = None
         self._healthy = True
-        self._registry = registry
-        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        self.last_canary: dict[str, Any] | None = None
+        if self.info.prefix_caching:
+            await self._canary_once()  # prove cache hits before serving; switches off on failure
+        self._memory = CardMemorySampler.from_config(self.cfg)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._heartbeat_loop()),
+                       loop.create_task(self._canary_loop()),
+                       loop.create_task(self._limits_loop())]
         metrics.get("embedfleet_replica_ready").set(1, tags=self._tags)
+        self._export_prefix_state()
+        logger.info("replica %s of %s ready on card %s; prefix cache %s (%s)", self.replica_id,
+                    model_name, self.card.label, "on" if self.info.prefix_caching else "off",
+                    self.prefix_cache_reason)
+
+    def _build(self, prefix_cache: bool) -> EmbeddingEngine:
+        kwargs = self.cfg.engine_kwargs(self.model_cfg, enable_prefix_caching=prefix_cache)
+        return self._factory(kwargs)
+
+    def fingerprint(self) -> dict[str, str]:
+        return fingerprint_headers(digest=self.digest, dtype=self.info.dtype,
+                                   engine=self.info.engine_version,
+                                   platform=self.cfg.platform.kind,
+                                   prefix_cache=self.info.prefix_caching and not self._skip_reads)
+
+    # -- batch limits: pulled from the MemoryGovernor, enforced by the admission budget ------
+    async def _limits_loop(self) -> None:
+        interval = self.cfg.governor.interval_s
+        while True:
+            self._export_card_memory()
+            if self._governor is not None:
+                try:
+                    limits = await self._governor.limits_for.remote(
+                        self.card.node_ip, self.card.device, self.ceiling)
+                    if (limits["max_sequences"], limits["max_tokens"]) != self.budget.limits:
+                        logger.warning("card %s budget -> %d sequences / %d tokens (%s)",
+                                       self.card.label, limits["max_sequences"],
+                                       limits["max_tokens"], limits.get("reason"))
+                    self.budget.set_limits(limits["max_sequences"], limits["max_tokens"])
+                    self.limits = limits
+                except Exception as exc:  # governor restarting: keep the last limits
+                    logger.warning("cannot pull limits from MemoryGovernor: %r", exc)
+            seqs, toks = self.budget.limits
+            metrics.get("embedfleet_budget_sequences").set(seqs, tags=self._tags)
+            metrics.get("embedfleet_budget_tokens").set(toks, tags=self._tags)
+            await asyncio.sleep(interval)
+
+    def _export_card_memory(self) -> None:
+        try:
+            used, total = self._memory.sample()
+        except CardMemoryUnavailable as exc:
+            logger.warning("card memory unavailable: %s", exc)
+            return
+        tags = {"node": self.card.node_ip, "device": self.card.device}
+        metrics.get("embedfleet_card_memory_used_bytes").set(used, tags=tags)
+        metrics.get("embedfleet_card_memory_total_bytes").set(total, tags=tags)
+
+    # -- prefix-cache canary and the switch to "off" ------------------------------------------
+    async def _canary_once(self) -> None:
+        engine = self.engine
+        result = await run_canary(engine, label=f"canary-{self.model_cfg.name}")
+        self.last_canary = result.to_dict()
+        model_tag = {"model": self.model_cfg.name}
+        metrics.get("embedfleet_canary_last_cosine").set(result.min_cosine, tags=model_tag)
+        if result.passed:
+            logger.info("prefix-cache canary of %s: %s", self.model_cfg.name, result.detail)
+            return
+        metrics.get("embedfleet_canary_failures_total").inc(1, tags=model_tag)
+        reason = f"disabled by the canary: {result.detail}"
+        logger.error("prefix-cache canary FAILED for %s on card %s: %s; switching prefix caching "
+                     "off for this model", self.model_cfg.name, self.card.label, result.detail)
+        if self._registry is not None:
+            await self._registry.disable_prefix_cache.remote(self.model_cfg.name, reason,
+                                                             self.last_canary)
+        await self._switch_prefix_cache_off(reason)
+
+    async def _canary_loop(self) -> None:
+        while self.info.prefix_caching:
+            await asyncio.sleep(self.model_cfg.canary_interval_s)
+            if not self.info.prefix_caching or self._switching:
+                return
+            try:
+                await self._canary_once()
+            except Exception as exc:  # a canary that cannot run is logged, never fatal
+                logger.warning("prefix-cache canary of %s could not run: %r",
+                               self.model_cfg.name, exc)
+
+    def _switch_prefix_cache_off(self, reason: str) -> asyncio.Task:
+        """Stop reading the cache at once, then swap in an engine built with caching off.
+
+        Requests keep flowing: until the new engine is up, every request skips reading the
+        prefix cache (correct vectors, just slower); afterwards the old engine finishes the calls
+        it holds and is shut down.
+        """
+        if self._switching is None:
+            self._skip_reads = True
+            self.prefix_cache_reason = reason
+            self._export_prefix_state()
+            self._switching = asyncio.get_running_loop().create_task(self._swap_engine())
+        return self._switching
+
+    async def _swap_engine(self) -> None:
+        new = await asyncio.to_thread(self._build, False)
+        old, self.engine, self.info = self.engine, new, new.info
+        self._skip_reads = False
+        self._export_prefix_state()
+        logger.warning("replica %s of %s now serves with prefix caching off",
+                       self.replica_id, self.model_cfg.name)
+        for _ in range(1200):  # let the old engine finish what it holds (bounded: 120 s)
+            if not self._calls_by_engine.get(id(old)):
+                break
+            await asyncio.sleep(0.1)
+        old.shutdown()
+
+    def _export_prefix_state(self) -> None:
+        on = self.info.prefix_caching and not self._skip_reads
         metrics.get("embedfleet_prefix_cache_enabled").set(
-            int(self.info.prefix_caching), tags={"model": model_name})
-        logger.info("replica %s of %s ready on card %s", self.replica_id, model_name,
-                    self.card.label)
+            int(on), tags={"model": self.model_cfg.name})
 
     # -- what the registry and /v1/models see ------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -128,16 +263,28 @@ class EngineReplica:
             "dtype": self.info.dtype,
             "engine_version": self.info.engine_version,
             "platform": self.cfg.platform.kind,
-            "prefix_cache": {"enabled": self.info.prefix_caching,
-                             "reason": self.prefix_cache_reason},
+            "prefix_cache": {"enabled": self.info.prefix_caching and not self._skip_reads,
+                             # on | off | safe-mode (canary failed; engine swap under way)
+                             "state": "safe-mode" if self._skip_reads else
+                             ("on" if self.info.prefix_caching else "off"),
+                             "reason": self.prefix_cache_reason,
+                             "last_canary": self.last_canary},
+            "fingerprint": self.fingerprint(),
             "inflight_sequences": self._inflight_seqs,
             "inflight_tokens": self._inflight_tokens,
+            "budget": {**self.budget.snapshot(), "stale": self.limits.get("stale"),
+                       "reason": self.limits.get("reason")},
         }
 
     async def _heartbeat_loop(self) -> None:
         while self._registry is not None:
             try:
-                await self._registry.heartbeat.remote(self.describe())
+                wanted = await self._registry.heartbeat.remote(self.describe())
+                override = (wanted or {}).get("prefix_cache_override")
+                if override and self.info.prefix_caching and self._switching is None:
+                    logger.warning("prefix caching of %s switched off fleet-wide: %s",
+                                   self.model_cfg.name, override["reason"])
+                    self._switch_prefix_cache_off(override["reason"])
             except Exception as exc:  # the registry restarting must not kill the replica
                 logger.warning("heartbeat to FleetRegistry failed: %r", exc)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
@@ -177,13 +324,22 @@ class EngineReplica:
         t0 = time.perf_counter()
         ids = self._prepare(call)
         n_tokens = sum(len(s) for s in ids)
+        async with self.budget.admit(len(ids), n_tokens):
+            return await self._embed_admitted(call, ids, n_tokens, t0)
+
+    async def _embed_admitted(self, call: EmbedCall, ids: list[list[int]], n_tokens: int,
+                              t0: float) -> EmbedResult:
         self._inflight_seqs += len(ids)
         self._inflight_tokens += n_tokens
         self._export_inflight()
+        engine = self.engine
+        self._calls_by_engine[id(engine)] = self._calls_by_engine.get(id(engine), 0) + 1
         try:
-            out: list[Embedding] = await self.engine.embed(
-                ids, request_id=call.request_id or uuid.uuid4().hex, dimensions=call.dimensions)
+            out: list[Embedding] = await engine.embed(
+                ids, request_id=call.request_id or uuid.uuid4().hex, dimensions=call.dimensions,
+                skip_prefix_cache=self._skip_reads)
         finally:
+            self._calls_by_engine[id(engine)] -= 1
             self._inflight_seqs -= len(ids)
             self._inflight_tokens -= n_tokens
             self._export_inflight()
@@ -195,7 +351,8 @@ class EngineReplica:
             metrics.get("embedfleet_prefix_cache_hit_tokens_total").inc(cached, tags=model_tag)
         metrics.get("embedfleet_engine_latency_seconds").observe(
             time.perf_counter() - t0, tags=model_tag)
-        return EmbedResult([e.vector for e in out], n_tokens, cached, self.replica_id)
+        return EmbedResult([e.vector for e in out], n_tokens, cached, self.replica_id,
+                           self.fingerprint())
 
     def _export_inflight(self) -> None:
         metrics.get("embedfleet_inflight_sequences").set(self._inflight_seqs, tags=self._tags)
@@ -221,8 +378,7 @@ class EngineReplica:
         metrics.get("embedfleet_replica_ready").set(1, tags=self._tags)
 
     def __del__(self) -> None:
-        task = getattr(self, "_heartbeat_task", None)
-        if task is not None:
+        for task in getattr(self, "_tasks", []):
             task.cancel()
         registry = getattr(self, "_registry", None)
         if registry is not None:

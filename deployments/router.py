@@ -76,6 +76,17 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return internal_error_response(exc, f"{request.method} {request.url.path}")
 
 
+def merge_fingerprints(results: list[EmbedResult]) -> dict[str, str]:
+    """One fingerprint per response; a field on which the slices' replicas differ says "mixed"
+    (e.g. one replica had already switched prefix caching off), so a client can see it."""
+    merged = dict(results[0].fingerprint)
+    for r in results[1:]:
+        for k, v in r.fingerprint.items():
+            if merged.get(k) != v:
+                merged[k] = "mixed"
+    return merged
+
+
 async def read_json_body(request: Request, limit: int) -> Any:
     """The decoded JSON body, enforcing the size limit before and while reading."""
     declared = request.headers.get("content-length")
@@ -102,10 +113,12 @@ async def read_json_body(request: Request, limit: int) -> Any:
 
 @serve.ingress(app)
 class Router:
-    def __init__(self, config: dict[str, Any], engines: dict[str, Any], registry: Any) -> None:
+    def __init__(self, config: dict[str, Any], engines: dict[str, Any], registry: Any,
+                 governor: Any = None) -> None:
         self.cfg: EmbedfleetConfig = parse_config(config, "router args")
         self.engines = engines
         self.registry = registry
+        self.governor = governor
         self.started = int(time.time())
 
     # -- helpers -------------------------------------------------------------------------------
@@ -132,6 +145,8 @@ class Router:
             try:
                 return await asyncio.wait_for(response, timeout=self.cfg.router.request_timeout_s)
             except BackPressureError as err:
+                metrics.get("embedfleet_overload_rejections_total").inc(
+                    1, tags={"model": call.model, "reason": "serve_queue_full"})
                 raise Overloaded(f"model is at capacity ({err}); retry after {retry_after}s",
                                  retry_after_s=retry_after) from None
             except DeploymentUnavailableError as err:
@@ -149,15 +164,17 @@ class Router:
         raise EngineUnavailable(f"no replica could serve the request after {MAX_ATTEMPTS} "
                                 f"attempts ({type(last).__name__})", retry_after_s=retry_after)
 
-    async def _embed(self, req: EmbeddingRequest, request_id: str) -> tuple[list[np.ndarray], int]:
+    async def _embed(self, req: EmbeddingRequest,
+                     request_id: str) -> tuple[list[np.ndarray], int, int, dict[str, str]]:
         handle = self._engine(req.model)
         inputs = req.input
         slices = [inputs[i:i + SLICE_INPUTS] for i in range(0, len(inputs), SLICE_INPUTS)]
-        calls = [EmbedCall(list(s), req.dimensions, f"{request_id}-{k}")
+        calls = [EmbedCall(list(s), req.dimensions, f"{request_id}-{k}", req.model)
                  for k, s in enumerate(slices)]
         results = await asyncio.gather(*(self._call(handle, c) for c in calls))
         vectors = [v for r in results for v in r.vectors]
-        return vectors, sum(r.prompt_tokens for r in results)
+        return (vectors, sum(r.prompt_tokens for r in results),
+                sum(r.cached_tokens for r in results), merge_fingerprints(results))
 
     def _observe(self, model: str, api: str, status: int, t0: float) -> None:
         model = model if model in self.engines else "_unknown"  # bounded label values
@@ -180,20 +197,16 @@ class Router:
                 raise TooManyInputs(
                     f"input has {len(req.input)} items; at most {limit} per request",
                     param="input")
-            vectors, tokens = await self._embed(req, request_id)
+            vectors, tokens, cached, fingerprint = await self._embed(req, request_id)
             body = embedding_response(vectors, model=req.model, prompt_tokens=tokens,
-                                      encoding=req.encoding_format)
+                                      encoding=req.encoding_format, cached_tokens=cached)
             metrics.get("embedfleet_inputs_total").inc(len(vectors), tags={"model": model})
             metrics.get("embedfleet_input_tokens_total").inc(tokens, tags={"model": model})
             status = 200
             return Response(body, media_type="application/json",
-                            headers={"x-request-id": request_id})
+                            headers={"x-request-id": request_id, **fingerprint})
         except EmbedfleetError as err:
             status = err.status
-            if status == 429:
-                metrics.get("embedfleet_overload_rejections_total").inc(
-                    1, tags={"model": model if model in self.engines else "_unknown",
-                             "reason": "queue_full"})
             return error_response(err)
         except Exception as exc:
             return internal_error_response(exc, f"/v1/embeddings {request_id}")
@@ -220,7 +233,8 @@ class Router:
                     "min": m.replicas.min_replicas,
                     "max": m.replicas.max_replicas,
                     "cards": [{"node": r["node_ip"], "device": r["device"],
-                               "replica_id": r["replica_id"], "ready": r.get("ready")}
+                               "replica_id": r["replica_id"], "ready": r.get("ready"),
+                               "budget": r.get("budget")}
                               for r in replicas],
                 },
                 "prefix_cache": first.get("prefix_cache", {"enabled": None,

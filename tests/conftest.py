@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-E2E_CONFIG = ROOT / "tests" / "configs" / "e2e-cpu.yaml"
+E2E_TEMPLATE = ROOT / "tests" / "configs" / "e2e-cpu.yaml"
+TEST_STATE = ROOT / ".cache" / "test-session"
+E2E_CONFIG = TEST_STATE / "e2e-cpu.yaml"          # the template with the tiny model's path
+E2E_SERVE_CONFIG = TEST_STATE / "e2e-serve.yaml"  # rendered, plus the fault injector hook
+FAULT_ARM_FILE = TEST_STATE / "arm-cache-hit-fault"
+TINY_QWEN3 = "tiny-qwen3"
+FAULTY_QWEN3 = "tiny-qwen3-faulty"
 EMBEDFLEET = str(Path(sys.executable).with_name("embedfleet"))
 BASE_URL = "http://127.0.0.1:8000"
 MINILM = "all-minilm-l6-v2"
@@ -33,10 +39,46 @@ def run_cli(*args: str, timeout: float = 900, check: bool = True) -> subprocess.
     return proc
 
 
+def write_serve_config(extra_minilm_replicas: int = 0) -> Path:
+    """Render the e2e config the way users do, then add the test-only hooks: the fault injector
+    around tiny-qwen3-faulty's engine (armed by a file), and optionally a replica-count override
+    that asks for more MiniLM replicas than there are cards."""
+    import yaml
+
+    from cluster.render import serve_config
+    from deployments.config import load_config
+    from deployments.fault_injectors import ARM_FILE_ENV
+
+    cfg = load_config(E2E_CONFIG)
+    data = serve_config(cfg)
+    app = data["applications"][0]
+    app["args"]["engine_factories"] = {
+        FAULTY_QWEN3: "deployments.fault_injectors:corrupting_cache_hits_engine"}
+    for dep in app["deployments"]:
+        if dep["name"] == f"engine-{FAULTY_QWEN3}":
+            dep["ray_actor_options"]["runtime_env"] = {
+                "env_vars": {ARM_FILE_ENV: str(FAULT_ARM_FILE)}}
+        if dep["name"] == f"engine-{MINILM}" and extra_minilm_replicas:
+            dep["num_replicas"] += extra_minilm_replicas
+    E2E_SERVE_CONFIG.write_text(yaml.safe_dump(data, sort_keys=False))
+    return E2E_SERVE_CONFIG
+
+
 @pytest.fixture(scope="session")
-def cluster():
-    """A live cluster serving tests/configs/e2e-cpu.yaml; yields the HTTP base URL."""
-    proc = run_cli("up", "--detach", "--config", str(E2E_CONFIG), timeout=1200)
+def tiny_qwen3_dir() -> Path:
+    from tests.support.tiny_qwen3 import build_tiny_qwen3
+
+    return build_tiny_qwen3(ROOT / ".cache" / "models" / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_qwen3_dir):
+    """A live 4-card cluster serving tests/configs/e2e-cpu.yaml; yields the HTTP base URL."""
+    TEST_STATE.mkdir(parents=True, exist_ok=True)
+    FAULT_ARM_FILE.unlink(missing_ok=True)
+    E2E_CONFIG.write_text(E2E_TEMPLATE.read_text().replace("TINY_QWEN3", str(tiny_qwen3_dir)))
+    serve_file = write_serve_config()
+    proc = run_cli("up", "--detach", "--serve-config", str(serve_file), timeout=1500)
     print(proc.stdout)
     yield BASE_URL
     if os.environ.get("EMBEDFLEET_TEST_KEEP_CLUSTER") != "1":

@@ -33,7 +33,8 @@ def test_response_float_and_base64():
     v = np.array([0.5, -0.25, 1.0], np.float32)
     body = orjson.loads(embedding_response([v], model="m", prompt_tokens=7, encoding="float"))
     assert body["data"][0]["embedding"] == [0.5, -0.25, 1.0]
-    assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     b64 = orjson.loads(embedding_response([v], model="m", prompt_tokens=7, encoding="base64"))
     raw = base64.b64decode(b64["data"][0]["embedding"])
     np.testing.assert_array_equal(np.frombuffer(raw, "<f4"), v)

@@ -1,0 +1,40 @@
+"""The fingerprint every embeddings response carries, so a vector store can detect drift.
+
+A vector is only comparable with vectors made by the same weights, dtype, engine and cache
+behaviour. The model digest hashes the model's ``config.json`` and the header of each safetensors
+file (tensor names, dtypes, shapes and offsets: the weights index) — cheap to read, and it changes
+whenever the checkpoint does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+HEADER_PREFIX = "x-embedfleet-"
+
+
+def model_digest(model_dir: str | Path) -> str:
+    root = Path(model_dir)
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json", "modules.json"):
+        p = root / name
+        if p.exists():
+            h.update(name.encode() + b"\0" + p.read_bytes())
+    for st in sorted(root.glob("*.safetensors")):
+        with st.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            h.update(st.name.encode() + b"\0" + f.read(min(n, 64 << 20)))
+    return h.hexdigest()[:16]
+
+
+def fingerprint_headers(*, digest: str, dtype: str, engine: str, platform: str,
+                        prefix_cache: bool) -> dict[str, str]:
+    return {
+        f"{HEADER_PREFIX}model-digest": digest,
+        f"{HEADER_PREFIX}dtype": dtype,
+        f"{HEADER_PREFIX}engine": engine,
+        f"{HEADER_PREFIX}platform": platform,
+        f"{HEADER_PREFIX}prefix-cache": "on" if prefix_cache else "off",
+    }

@@ -1,0 +1,144 @@
+"""Prefix caching per model type, the run-time canary, the fault injector and the fingerprint."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import requests
+
+from deployments.fingerprint import model_digest
+from tests.conftest import FAULT_ARM_FILE, FAULTY_QWEN3, MINILM, TINY_QWEN3
+
+pytestmark = pytest.mark.cluster
+
+# A shared instruction of 300+ tokens (the MiniLM tokenizer the tiny Qwen3 uses).
+PREFIX = ("Instruct: Given a question about contract law, retrieve the statute sections and court "
+          "decisions that answer it, preferring binding authority from the same jurisdiction. ") * 10
+
+
+def embed(cluster, model, texts):
+    resp = requests.post(f"{cluster}/v1/embeddings", json={"model": model, "input": texts,
+                                                           "encoding_format": "float"}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    vecs = np.array([d["embedding"] for d in body["data"]], np.float32)
+    return vecs, body["usage"], resp.headers
+
+
+def model_info(cluster, name):
+    data = requests.get(f"{cluster}/v1/models", timeout=10).json()["data"]
+    return next(m for m in data if m["id"] == name)
+
+
+def cos(a, b):
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_minilm_reports_prefix_cache_off_with_reason(cluster):
+    pc = model_info(cluster, MINILM)["prefix_cache"]
+    assert pc["enabled"] is False and pc["state"] == "off"
+    assert "bidirectional" in pc["reason"] and pc["last_canary"] is None
+
+
+def test_tiny_qwen3_serves_with_prefix_cache_on_and_canary_passes(cluster):
+    pc = model_info(cluster, TINY_QWEN3)["prefix_cache"]
+    assert pc["enabled"] is True and pc["state"] == "on", pc
+    canary = pc["last_canary"]
+    assert canary["passed"] and canary["conclusive"], canary
+    assert canary["min_cosine"] >= 0.99999 and canary["cached_tokens"] > 0
+    assert canary["prefix_tokens"] > 3 * 32  # spans several KV blocks
+
+
+def test_shared_prefix_hits_cache_and_vectors_are_identical(cluster, minilm_tokenizer):
+    assert len(minilm_tokenizer(PREFIX)["input_ids"]) >= 300
+    nonce = f"[{time.time_ns()}] "  # nothing cached yet for this prefix
+    a, b = nonce + PREFIX + "Query: is consideration required?", nonce + PREFIX + "Query: what?"
+    cold, usage_cold, _ = embed(cluster, TINY_QWEN3, [a])
+    assert usage_cold["prompt_tokens_details"]["cached_tokens"] == 0
+    _, usage_b, _ = embed(cluster, TINY_QWEN3, [b])
+    warm, usage_warm, headers = embed(cluster, TINY_QWEN3, [a])
+    # vLLM reports the cached tokens per request: the shared prefix was reused
+    assert usage_b["prompt_tokens_details"]["cached_tokens"] >= 300
+    assert usage_warm["prompt_tokens_details"]["cached_tokens"] >= 300
+    assert cos(cold[0], warm[0]) >= 0.99999
+    assert headers["x-embedfleet-prefix-cache"] == "on"
+
+
+def test_every_response_carries_the_fingerprint(cluster, minilm_path, tiny_qwen3_dir):
+    _, _, h = embed(cluster, MINILM, ["fingerprint"])
+    assert h["x-embedfleet-model-digest"] == model_digest(minilm_path)
+    assert h["x-embedfleet-dtype"] == "float32"
+    assert h["x-embedfleet-engine"].startswith("vllm 0.")
+    assert h["x-embedfleet-platform"] == "cpu"
+    assert h["x-embedfleet-prefix-cache"] == "off"
+    _, _, hq = embed(cluster, TINY_QWEN3, ["fingerprint"])
+    assert hq["x-embedfleet-model-digest"] == model_digest(tiny_qwen3_dir)
+    assert hq["x-embedfleet-model-digest"] != h["x-embedfleet-model-digest"]
+
+
+def test_failing_canary_switches_prefix_cache_off_without_losing_requests(cluster):
+    texts = [PREFIX + f"Query: question number {i}?" for i in range(4)]
+    truth, _, _ = embed(cluster, TINY_QWEN3, texts)  # same weights, healthy engine
+    before = model_info(cluster, FAULTY_QWEN3)["prefix_cache"]
+    assert before["state"] == "on" and before["last_canary"]["passed"], before
+
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def load():
+        i = 0
+        while not stop.is_set():
+            r = requests.post(f"{cluster}/v1/embeddings", json={
+                "model": FAULTY_QWEN3, "input": [texts[i % 4]]}, timeout=120)
+            statuses.append(r.status_code)
+            i += 1
+
+    worker = threading.Thread(target=load, daemon=True)
+    FAULT_ARM_FILE.touch()  # from now on, cache hits on this engine give wrong vectors
+    worker.start()
+    try:
+        t0 = time.monotonic()
+        detected = None
+        while time.monotonic() - t0 < 240:
+            pc = model_info(cluster, FAULTY_QWEN3)["prefix_cache"]
+            if detected is None and pc["state"] != "on":
+                detected = time.monotonic() - t0
+            if pc["state"] == "off":
+                break
+            time.sleep(1)
+    finally:
+        stop.set()
+        worker.join(timeout=180)
+    assert detected is not None and detected <= 10 + 10, f"canary reacted after {detected}s"
+    assert pc["state"] == "off" and pc["enabled"] is False, pc
+    assert "canary" in pc["reason"] and pc["last_canary"]["passed"] is False
+    assert pc["last_canary"]["min_cosine"] < 0.99
+    assert statuses and set(statuses) == {200}, statuses  # nothing failed during the switch
+    after, usage, headers = embed(cluster, FAULTY_QWEN3, texts)
+    again, usage2, _ = embed(cluster, FAULTY_QWEN3, texts)
+    assert usage2["prompt_tokens_details"]["cached_tokens"] == 0  # caching is really off
+    assert headers["x-embedfleet-prefix-cache"] == "off"
+    assert min(cos(x, y) for x, y in zip(again, truth)) >= 0.99999
+    assert min(cos(x, y) for x, y in zip(after, truth)) >= 0.99999
+    # ...and it stays off: the healthy model is untouched
+    assert model_info(cluster, TINY_QWEN3)["prefix_cache"]["state"] == "on"
+
+
+def test_canary_failure_is_in_prometheus(cluster):
+    # Runs after the switch: Ray exports the counter, Prometheus (started by `embedfleet up`)
+    # scrapes it through Ray's service discovery.
+    deadline = time.monotonic() + 120
+    value = None
+    while time.monotonic() < deadline:
+        r = requests.get("http://127.0.0.1:9090/api/v1/query", params={
+            "query": f'sum(ray_embedfleet_canary_failures_total{{model="{FAULTY_QWEN3}"}})'},
+            timeout=10).json()
+        if r["data"]["result"]:
+            value = float(r["data"]["result"][0]["value"][1])
+            if value >= 1:
+                break
+        time.sleep(5)
+    assert value is not None and value >= 1

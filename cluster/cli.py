@@ -43,13 +43,25 @@ def _deploy_and_wait(serve_cfg: dict[str, Any], cfg: EmbedfleetConfig, dashboard
     endpoint = _endpoint(cfg)
     print(f"deployed application '{cfg.app_name}'; waiting until every model has a ready replica")
     body = local.wait_ready(endpoint, settings().ready_timeout_s)
+    _wait_settled(cfg, settings().ready_timeout_s)
     print(f"ready: {json.dumps(body.get('models'))}")
     print(f"endpoint: {endpoint}/v1/embeddings   (models: {endpoint}/v1/models)")
 
 
+def _wait_settled(cfg: EmbedfleetConfig, timeout_s: float) -> None:
+    """After /ready: wait out a rolling update, so `up` returns on the new config's replicas."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = collect_status(cfg, None)
+        if st["settled"]:
+            return
+        time.sleep(3)
+    print("warning: replicas still starting or stopping; see `embedfleet status`")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     serve_cfg, cfg = _load(args)
-    address = local.start_head(cfg.cards, cfg.platform.card_resource)
+    local.start_head(cfg.cards, cfg.platform.card_resource)
     prom = start_monitoring(cfg)
     if prom:
         print(f"prometheus: {prom} (scraping Ray's metrics service discovery)")
@@ -104,24 +116,24 @@ def collect_status(cfg: EmbedfleetConfig, address: str | None) -> dict[str, Any]
             except Exception as exc:  # registry not up yet
                 snapshot = {"_error": [{"error": repr(exc)}]}
         resource = cfg.platform.card_resource
+        pending_actors = _pending_replica_actors(cfg.app_name)
         free_cards = ray.available_resources().get(resource, 0)
         total_cards = ray.cluster_resources().get(resource, 0)
         models = []
         for m in cfg.models:
             dep = app.deployments.get(engine_deployment_name(m.name)) if app else None
-            states = {str(k.value if hasattr(k, "value") else k): v
-                      for k, v in (dep.replica_states or {}).items()} if dep else {}
+            states = _states(dep) if dep else {}
             replicas = snapshot.get(m.name, [])
             target = dep.target_num_replicas if dep and hasattr(dep, "target_num_replicas") \
                 else None
-            # Serve counts a replica with no card as STARTING; with no card free in the
-            # cluster, every not-yet-running replica is one waiting for a card.
-            waiting = sum(v for k, v in states.items() if k != "RUNNING")
+            # Serve calls both "waiting for a card" and "loading the engine" STARTING; Ray's
+            # actor state tells them apart (PENDING_CREATION = no resources yet).
+            waiting = pending_actors.get(engine_deployment_name(m.name), 0)
             pending_msg = ""
-            if waiting and free_cards < 1:
+            if waiting:
                 pending_msg = (f"{waiting} replica(s) waiting for a card: each needs "
-                               f"{{\"{resource}\": 1}}, and all {total_cards:g} cards of the "
-                               f"cluster are taken")
+                               f"{{\"{resource}\": 1}}; {free_cards:g} of the cluster's "
+                               f"{total_cards:g} cards are free")
             models.append({
                 "model": m.name,
                 "deployment_status": str(dep.status.value if dep else "NOT_DEPLOYED"),
@@ -135,12 +147,39 @@ def collect_status(cfg: EmbedfleetConfig, address: str | None) -> dict[str, Any]
                           for r in replicas],
                 "prefix_cache": replicas[0].get("prefix_cache") if replicas else None,
             })
-        return {"app": cfg.app_name,
+        # Settled: every replica of every deployment is running or waiting for a card; none is
+        # loading its engine or stopping (a rolling update in progress).
+        settled = app is not None and all(
+            sum(v for k, v in _states(d).items() if k != "RUNNING") == pending_actors.get(n, 0)
+            for n, d in app.deployments.items())
+        return {"app": cfg.app_name, "settled": settled,
                 "app_status": str(app.status.value) if app else "NOT_DEPLOYED",
                 "app_message": app.message if app else "",
                 "models": models}
     finally:
         ray.shutdown()
+
+
+def _states(dep: Any) -> dict[str, int]:
+    return {str(k.value if hasattr(k, "value") else k): v
+            for k, v in (dep.replica_states or {}).items()}
+
+
+def _pending_replica_actors(app_name: str) -> dict[str, int]:
+    """Replica actors per deployment that Ray has not placed yet (waiting for resources)."""
+    from ray.util.state import list_actors
+
+    prefix = f"ServeReplica:{app_name}:"
+    counts: dict[str, int] = {}
+    try:
+        actors = list_actors(filters=[("state", "=", "PENDING_CREATION")], limit=10000)
+    except Exception:  # state API unavailable (no dashboard): report nothing rather than guess
+        return counts
+    for a in actors:
+        if a.class_name.startswith(prefix):
+            name = a.class_name[len(prefix):]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def cmd_status(args: argparse.Namespace) -> int:

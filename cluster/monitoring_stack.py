@@ -11,7 +11,12 @@ from __future__ import annotations
 import httpx
 import yaml
 
-from cluster.prometheus_server import PrometheusStartError, find_binary, start_prometheus
+from cluster.prometheus_server import (
+    CONFIG_NAME,
+    PrometheusStartError,
+    find_binary,
+    start_prometheus,
+)
 from cluster.prometheus_server import stop_from_pidfile
 from deployments.config import EmbedfleetConfig
 from deployments.settings import settings
@@ -35,17 +40,23 @@ def start_monitoring(cfg: EmbedfleetConfig) -> str | None:
               "running without metrics storage")
         return None
     url = prometheus_url()
-    try:
-        if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-            return url
-    except httpx.HTTPError:
-        pass
     text = render_prometheus_config(extra_targets=cfg.monitoring.npu_exporter_targets)
     if cfg.monitoring.scrape_interval_s:
         data = yaml.safe_load(text)
         data["global"]["scrape_interval"] = f"{cfg.monitoring.scrape_interval_s}s"
         data["global"]["evaluation_interval"] = f"{cfg.monitoring.scrape_interval_s}s"
         text = yaml.safe_dump(data, sort_keys=False)
+    try:
+        running = httpx.get(f"{url}/-/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        running = False
+    if running:  # ours from an earlier `up`: give it this config (lifecycle API is enabled)
+        config_file = _data_dir() / CONFIG_NAME
+        if not config_file.exists() or config_file.read_text() != text:
+            config_file.parent.mkdir(parents=True, exist_ok=True)
+            config_file.write_text(text)
+            httpx.post(f"{url}/-/reload", timeout=10).raise_for_status()
+        return url
     start_prometheus(text, _data_dir(), settings().prometheus_port, detach=True)
     return url
 

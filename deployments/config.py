@@ -27,6 +27,8 @@ from pydantic import (
 Dtype = Literal["float32", "float16", "bfloat16"]
 
 from deployments.governor import GovernorConfig
+from deployments.long_input import LongInputPolicy
+from deployments.prompts import PromptTemplates
 from deployments.prefix_cache_policy import Platform, PrefixCacheSetting  # one definition
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -173,6 +175,11 @@ class ModelConfig(_Strict):
     )
     replicas: ReplicaBounds = ReplicaBounds()
     admission: AdmissionConfig = AdmissionConfig()
+    long_input: LongInputPolicy = Field(
+        default_factory=LongInputPolicy,
+        description="Default for inputs longer than the model's context; requests may override.")
+    prompts: PromptTemplates | None = Field(
+        default=None, description="Named instruction templates a request picks by prompt_name.")
 
     @property
     def budget_ceiling(self) -> dict[str, int]:

@@ -32,6 +32,7 @@ class EngineInfo:
     prefix_caching: bool
     engine_version: str
     pooling_type: str | None = None
+    normalizes: bool = True  # the pooler L2-normalises (sentence-transformers Normalize)
 
 
 @dataclass
@@ -44,15 +45,17 @@ class Embedding:
 @runtime_checkable
 class EmbeddingEngine(Protocol):
     info: EngineInfo
+    hf_tokenizer: Any  # the engine's own tokenizer (special tokens, offsets for /tokenize)
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids exactly as the engine would produce them (special tokens included)."""
 
     async def embed(self, token_ids: list[list[int]], *, request_id: str,
-                    dimensions: int | None = None,
-                    skip_prefix_cache: bool = False) -> list[Embedding]:
+                    dimensions: int | None = None, skip_prefix_cache: bool = False,
+                    normalize: bool = True) -> list[Embedding]:
         """One vector per input, in input order. ``skip_prefix_cache``: compute without reading
-        the prefix cache (the canary's reference, and the safe mode after a canary failure)."""
+        the prefix cache (the canary's reference, and the safe mode after a canary failure).
+        ``normalize=False``: the pooler's raw output (no L2 normalisation)."""
 
     async def check_health(self) -> None:
         """Raise if the engine cannot embed."""
@@ -82,6 +85,7 @@ class VllmEmbeddingEngine:
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs))
         mc = self._llm.model_config
         self._tokenizer = self._llm.get_tokenizer()
+        self.hf_tokenizer = self._tokenizer
         pooler = getattr(mc, "pooler_config", None)
         matryoshka = getattr(mc, "matryoshka_dimensions", None)
         self.info = EngineInfo(
@@ -95,6 +99,7 @@ class VllmEmbeddingEngine:
             prefix_caching=bool(self._llm.vllm_config.cache_config.enable_prefix_caching),
             engine_version=f"vllm {vllm.__version__}",
             pooling_type=getattr(pooler, "seq_pooling_type", None) if pooler else None,
+            normalizes=bool(getattr(pooler, "use_activation", True)) if pooler else True,
         )
         logger.info("engine up in %.1fs: %s", time.monotonic() - t0, self.info)
 
@@ -103,12 +108,13 @@ class VllmEmbeddingEngine:
         return [list(ids) for ids in self._tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
     async def _one(self, ids: list[int], request_id: str, dimensions: int | None,
-                   skip_prefix_cache: bool) -> Embedding:
+                   skip_prefix_cache: bool, normalize: bool) -> Embedding:
         from vllm import PoolingParams
         from vllm.inputs import TokensPrompt
 
         params = PoolingParams(task="embed", dimensions=dimensions,
-                               skip_reading_prefix_cache=skip_prefix_cache or None)
+                               skip_reading_prefix_cache=skip_prefix_cache or None,
+                               use_activation=None if normalize else False)
         out = None
         async for out in self._llm.encode(TokensPrompt(prompt_token_ids=ids), params,
                                           request_id=request_id):
@@ -121,12 +127,12 @@ class VllmEmbeddingEngine:
                          int(out.num_cached_tokens or 0))
 
     async def embed(self, token_ids: list[list[int]], *, request_id: str,
-                    dimensions: int | None = None,
-                    skip_prefix_cache: bool = False) -> list[Embedding]:
+                    dimensions: int | None = None, skip_prefix_cache: bool = False,
+                    normalize: bool = True) -> list[Embedding]:
         if self._llm.errored:
             raise EngineDead("vLLM engine core is not running")
         tasks = [asyncio.ensure_future(
-            self._one(ids, f"{request_id}-{i}", dimensions, skip_prefix_cache))
+            self._one(ids, f"{request_id}-{i}", dimensions, skip_prefix_cache, normalize))
             for i, ids in enumerate(token_ids)]
         try:
             return list(await asyncio.gather(*tasks))

@@ -31,6 +31,7 @@ class CacheHitCorruptingFaultInjector:
         # When set, corrupt only while this file exists: a test arms the fault mid-run.
         self._armed_by = Path(armed_by) if armed_by else None
         self.info = inner.info
+        self.hf_tokenizer = inner.hf_tokenizer
         self._rng = np.random.default_rng(seed)
         self._mix = mix
         self.corrupted = 0
@@ -40,10 +41,10 @@ class CacheHitCorruptingFaultInjector:
         return self.inner.tokenize(texts)
 
     async def embed(self, token_ids: list[list[int]], *, request_id: str,
-                    dimensions: int | None = None,
-                    skip_prefix_cache: bool = False) -> list[Embedding]:
+                    dimensions: int | None = None, skip_prefix_cache: bool = False,
+                    normalize: bool = True) -> list[Embedding]:
         out = await self.inner.embed(token_ids, request_id=request_id, dimensions=dimensions,
-                                     skip_prefix_cache=skip_prefix_cache)
+                                     skip_prefix_cache=skip_prefix_cache, normalize=normalize)
         armed = self._armed_by is None or self._armed_by.exists()
         for e in out:
             if armed and e.num_cached_tokens > 0:

@@ -85,6 +85,15 @@ class EmbeddingRequest(BaseModel):
     encoding_format: EncodingFormat = "float"
     dimensions: PositiveInt | None = None
     user: str | None = None
+    # embedfleet extensions (the openai client sends them with `extra_body={...}`):
+    long_input: Literal["reject", "truncate", "chunk"] | None = Field(
+        default=None, description="Inputs over the model's context: refuse, cut, or split and "
+        "merge. Default: the model's configured policy.")
+    truncation_direction: Literal["right", "left"] | None = Field(
+        default=None, description="With truncate: right keeps the beginning, left the end.")
+    prompt_name: str | None = Field(
+        default=None, description="Instruction template of the model to apply (e.g. 'query').")
+    task: str | None = Field(default=None, description="Fills {task} in the template.")
 
     @field_validator("input", mode="before")
     @classmethod
@@ -129,7 +138,8 @@ def encode_vector(vec: np.ndarray, encoding: EncodingFormat) -> Any:
 
 
 def embedding_response(vectors: list[np.ndarray], *, model: str, prompt_tokens: int,
-                       encoding: EncodingFormat, cached_tokens: int = 0) -> bytes:
+                       encoding: EncodingFormat, cached_tokens: int = 0,
+                       inputs_report: list[dict[str, Any]] | None = None) -> bytes:
     body = {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, encoding)}
@@ -139,4 +149,8 @@ def embedding_response(vectors: list[np.ndarray], *, model: str, prompt_tokens: 
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
                   "prompt_tokens_details": {"cached_tokens": cached_tokens}},
     }
+    if inputs_report is not None:
+        # What the long-input policy did, for the inputs it changed (OpenAI clients ignore it).
+        body["embedfleet"] = {"inputs": [r for r in inputs_report
+                                         if r.get("truncated") or r.get("chunks", 1) > 1]}
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)

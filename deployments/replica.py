@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -22,13 +22,8 @@ import numpy as np
 from deployments import metrics
 from deployments.config import EmbedfleetConfig, ModelConfig, parse_config
 from deployments.engine import Embedding, EmbeddingEngine, EngineInfo
-from deployments.errors import (
-    EmbedfleetError,
-    InputTooLong,
-    InvalidParameterValue,
-    InvalidTokenId,
-    UnsupportedParameter,
-)
+from deployments.errors import EmbedfleetError, UnsupportedParameter
+from deployments.protocol_tei import tokenize_tei
 from deployments.model_facts import read_model_facts
 from deployments.platform import (
     card_identity,
@@ -37,7 +32,10 @@ from deployments.platform import (
     prepare_cpu_process,
 )
 from deployments.prefix_cache_policy import resolve as resolve_prefix_cache
+from deployments.batching import LengthAwareBatcher
 from deployments.budget import AdmissionBudget
+from deployments.inputs import InputPreparer, PreparedCall
+from deployments.long_input import LongInputPolicy, SpecialTokens
 from deployments.canary import run_canary
 from deployments.card_memory import CardMemorySampler, CardMemoryUnavailable
 from deployments.fingerprint import fingerprint_headers, model_digest
@@ -57,6 +55,10 @@ class EmbedCall:
     dimensions: int | None = None
     request_id: str = ""
     model: str = ""
+    long_input: LongInputPolicy | None = None  # None = the model's default policy
+    prompt_name: str | None = None
+    task: str | None = None
+    normalize: bool = True
 
 
 @dataclass
@@ -66,6 +68,7 @@ class EmbedResult:
     cached_tokens: int
     replica_id: str
     fingerprint: dict[str, str]
+    inputs: list[dict[str, Any]] = field(default_factory=list)  # per input: truncated, chunks
 
 
 def load_factory(path: str) -> Callable[..., EmbeddingEngine]:
@@ -115,6 +118,12 @@ class EngineReplica:
             self.prefix_cache, self.prefix_cache_reason = False, override["reason"]
         self.engine: EmbeddingEngine = self._build(self.prefix_cache)
         self.info: EngineInfo = self.engine.info
+        self.model_cfg.long_input.check_model(
+            self.info.max_model_len, SpecialTokens.from_tokenizer(self.engine.hf_tokenizer))
+        self.preparer = self._make_preparer()
+        self.batcher = LengthAwareBatcher(
+            embed_fn=self._engine_batch, max_batch_tokens=self.model_cfg.engine.max_num_batched_tokens,
+            max_batch_size=self.model_cfg.engine.max_num_seqs)
         self.digest = model_digest(self.model_cfg.source.local_dir())
         try:
             from ray import serve
@@ -232,6 +241,7 @@ class EngineReplica:
     async def _swap_engine(self) -> None:
         new = await asyncio.to_thread(self._build, False)
         old, self.engine, self.info = self.engine, new, new.info
+        self.preparer = self._make_preparer()
         self._skip_reads = False
         self._export_prefix_state()
         logger.warning("replica %s of %s now serves with prefix caching off",
@@ -290,76 +300,82 @@ class EngineReplica:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     # -- the request path --------------------------------------------------------------------
-    def _prepare(self, call: EmbedCall) -> list[list[int]]:
-        info = self.info
-        if call.dimensions is not None:
-            if not info.supports_dimensions:
-                raise UnsupportedParameter(
-                    f"model '{info.model}' does not support 'dimensions' (it has no Matryoshka "
-                    f"dimensions); it always returns {info.hidden_size}-d vectors",
-                    param="dimensions")
-            if call.dimensions > info.hidden_size:
-                raise InvalidParameterValue(
-                    f"dimensions={call.dimensions} is larger than model '{info.model}''s "
-                    f"{info.hidden_size}-d vectors", param="dimensions")
-        if call.inputs and isinstance(call.inputs[0], str):
-            ids = self.engine.tokenize(list(call.inputs))  # type: ignore[arg-type]
-        else:
-            ids = [list(x) for x in call.inputs]  # type: ignore[arg-type]
-            for i, seq in enumerate(ids):
-                bad = next((t for t in seq if t >= info.vocab_size), None)
-                if bad is not None:
-                    raise InvalidTokenId(
-                        f"input[{i}] holds token id {bad}, outside model '{info.model}''s "
-                        f"vocabulary of {info.vocab_size} ids", param="input")
-        for i, seq in enumerate(ids):
-            if len(seq) > info.max_model_len:
-                raise InputTooLong(
-                    f"input[{i}] has {len(seq)} tokens, more than model '{info.model}''s "
-                    f"maximum context length of {info.max_model_len} tokens",
-                    param="input")
-        return ids
+    def _make_preparer(self) -> InputPreparer:
+        return InputPreparer(self.info, self.engine.tokenize,
+                             SpecialTokens.from_tokenizer(self.engine.hf_tokenizer),
+                             self.model_cfg.long_input, self.model_cfg.prompts)
 
     async def embed(self, call: EmbedCall) -> EmbedResult:
         t0 = time.perf_counter()
-        ids = self._prepare(call)
-        n_tokens = sum(len(s) for s in ids)
-        async with self.budget.admit(len(ids), n_tokens):
-            return await self._embed_admitted(call, ids, n_tokens, t0)
+        prepared = self.preparer.prepare(call.inputs, policy=call.long_input,
+                                         prompt_name=call.prompt_name, task=call.task,
+                                         dimensions=call.dimensions)
+        async with self.budget.admit(len(prepared.pieces), prepared.piece_tokens):
+            return await self._embed_admitted(call, prepared, t0)
 
-    async def _embed_admitted(self, call: EmbedCall, ids: list[list[int]], n_tokens: int,
-                              t0: float) -> EmbedResult:
-        self._inflight_seqs += len(ids)
-        self._inflight_tokens += n_tokens
-        self._export_inflight()
+    async def _engine_batch(self, pieces: list[list[int]], normalize: bool = True
+                            ) -> list[Embedding]:
+        """One engine call; the batcher groups concurrent callers' pieces by length first."""
         engine = self.engine
         self._calls_by_engine[id(engine)] = self._calls_by_engine.get(id(engine), 0) + 1
         try:
-            out: list[Embedding] = await engine.embed(
-                ids, request_id=call.request_id or uuid.uuid4().hex, dimensions=call.dimensions,
-                skip_prefix_cache=self._skip_reads)
+            out = await engine.embed(pieces, request_id=f"b-{uuid.uuid4().hex[:12]}",
+                                     skip_prefix_cache=self._skip_reads, normalize=normalize)
         finally:
             self._calls_by_engine[id(engine)] -= 1
-            self._inflight_seqs -= len(ids)
+        metrics.get("embedfleet_engine_batch_size").observe(
+            len(pieces), tags={"model": self.model_cfg.name})
+        return out
+
+    async def _embed_admitted(self, call: EmbedCall, prepared: PreparedCall,
+                              t0: float) -> EmbedResult:
+        pieces, n_tokens = prepared.pieces, prepared.piece_tokens
+        self._inflight_seqs += len(pieces)
+        self._inflight_tokens += n_tokens
+        self._export_inflight()
+        try:
+            if call.normalize:
+                out: list[Embedding] = await self.batcher.embed(pieces)
+            else:  # raw pooler output: its own engine call, never mixed into shared batches
+                out = await self._engine_batch(pieces, normalize=False)
+        finally:
+            self._inflight_seqs -= len(pieces)
             self._inflight_tokens -= n_tokens
             self._export_inflight()
+        vectors = self.preparer.finish(prepared, [e.vector for e in out],
+                                       dimensions=call.dimensions, normalize=call.normalize)
         cached = sum(e.num_cached_tokens for e in out)
         model_tag = {"model": self.model_cfg.name}
-        metrics.get("embedfleet_engine_batch_size").observe(len(ids), tags=model_tag)
         metrics.get("embedfleet_prompt_tokens_total").inc(n_tokens, tags=model_tag)
         if cached:
             metrics.get("embedfleet_prefix_cache_hit_tokens_total").inc(cached, tags=model_tag)
+        report = prepared.report()
+        truncated = [r for r in report if r["truncated"]]
+        if truncated:
+            metrics.get("embedfleet_truncated_inputs_total").inc(len(truncated), tags=model_tag)
+            metrics.get("embedfleet_dropped_tokens_total").inc(
+                sum(r["dropped_tokens"] for r in truncated), tags=model_tag)
+        chunks = sum(r["chunks"] for r in report if r["chunks"] > 1)
+        if chunks:
+            metrics.get("embedfleet_chunks_total").inc(chunks, tags=model_tag)
         metrics.get("embedfleet_engine_latency_seconds").observe(
             time.perf_counter() - t0, tags=model_tag)
-        return EmbedResult([e.vector for e in out], n_tokens, cached, self.replica_id,
-                           self.fingerprint())
+        return EmbedResult(vectors, prepared.input_tokens, cached, self.replica_id,
+                           self.fingerprint(), report)
 
     def _export_inflight(self) -> None:
         metrics.get("embedfleet_inflight_sequences").set(self._inflight_seqs, tags=self._tags)
         metrics.get("embedfleet_inflight_tokens").set(self._inflight_tokens, tags=self._tags)
 
-    async def tokenize(self, texts: list[str]) -> list[list[int]]:
-        return self.engine.tokenize(texts)
+    async def tokenize_tei(self, texts: list[str], add_special_tokens: bool = True,
+                           prompt_name: str | None = None) -> list:
+        if prompt_name is not None or (self.model_cfg.prompts and
+                                       self.model_cfg.prompts.default_prompt_name):
+            if self.model_cfg.prompts is None:
+                raise UnsupportedParameter(f"model '{self.model_cfg.name}' has no prompt "
+                                           "templates; drop 'prompt_name'", param="prompt_name")
+            texts = self.model_cfg.prompts.apply_all(prompt_name, texts)
+        return tokenize_tei(self.engine.hf_tokenizer, texts, add_special_tokens)
 
     async def check_health(self) -> None:
         """Serve's health check: really embed something, within a bound."""

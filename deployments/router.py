@@ -40,7 +40,13 @@ from deployments.errors import (
     error_response,
     internal_error_response,
 )
-from deployments.protocol import EmbeddingRequest, embedding_response, parse_embedding_request
+from deployments.protocol import embedding_response, parse_embedding_request
+from deployments.protocol_tei import (
+    parse_tei_embed_request,
+    parse_tei_tokenize_request,
+    tei_embed_response,
+    tei_tokenize_response,
+)
 from deployments.replica import EmbedCall, EmbedResult
 
 logger = logging.getLogger("embedfleet.router")
@@ -74,6 +80,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception) -> Response:
     return internal_error_response(exc, f"{request.method} {request.url.path}")
+
+
+def long_input_headers(report: list[dict[str, Any]]) -> dict[str, str]:
+    """Counts of what the long-input policy did, as headers (for TEI clients too)."""
+    return {"x-embedfleet-truncated-inputs": str(sum(1 for r in report if r["truncated"])),
+            "x-embedfleet-chunked-inputs": str(sum(1 for r in report if r["chunks"] > 1))}
 
 
 def merge_fingerprints(results: list[EmbedResult]) -> dict[str, str]:
@@ -164,17 +176,23 @@ class Router:
         raise EngineUnavailable(f"no replica could serve the request after {MAX_ATTEMPTS} "
                                 f"attempts ({type(last).__name__})", retry_after_s=retry_after)
 
-    async def _embed(self, req: EmbeddingRequest,
-                     request_id: str) -> tuple[list[np.ndarray], int, int, dict[str, str]]:
-        handle = self._engine(req.model)
-        inputs = req.input
+    async def _embed(self, model: str, inputs: list, request_id: str, **call_args: Any
+                     ) -> tuple[list[np.ndarray], int, int, dict[str, str], list[dict]]:
+        handle = self._engine(model)
         slices = [inputs[i:i + SLICE_INPUTS] for i in range(0, len(inputs), SLICE_INPUTS)]
-        calls = [EmbedCall(list(s), req.dimensions, f"{request_id}-{k}", req.model)
+        calls = [EmbedCall(list(s), request_id=f"{request_id}-{k}", model=model, **call_args)
                  for k, s in enumerate(slices)]
         results = await asyncio.gather(*(self._call(handle, c) for c in calls))
         vectors = [v for r in results for v in r.vectors]
+        report = [{**r, "index": k * SLICE_INPUTS + r["index"]}
+                  for k, res in enumerate(results) for r in res.inputs]
         return (vectors, sum(r.prompt_tokens for r in results),
-                sum(r.cached_tokens for r in results), merge_fingerprints(results))
+                sum(r.cached_tokens for r in results), merge_fingerprints(results), report)
+
+    def _policy(self, model: str, mode: str | None, direction: str | None):
+        base = self.cfg.model(model).long_input
+        update = {k: v for k, v in (("mode", mode), ("truncation_direction", direction)) if v}
+        return base.model_copy(update=update) if update else None
 
     def _observe(self, model: str, api: str, status: int, t0: float) -> None:
         model = model if model in self.engines else "_unknown"  # bounded label values
@@ -197,14 +215,20 @@ class Router:
                 raise TooManyInputs(
                     f"input has {len(req.input)} items; at most {limit} per request",
                     param="input")
-            vectors, tokens, cached, fingerprint = await self._embed(req, request_id)
+            self._engine(req.model)
+            vectors, tokens, cached, fingerprint, report = await self._embed(
+                req.model, req.input, request_id, dimensions=req.dimensions,
+                long_input=self._policy(req.model, req.long_input, req.truncation_direction),
+                prompt_name=req.prompt_name, task=req.task)
             body = embedding_response(vectors, model=req.model, prompt_tokens=tokens,
-                                      encoding=req.encoding_format, cached_tokens=cached)
+                                      encoding=req.encoding_format, cached_tokens=cached,
+                                      inputs_report=report)
             metrics.get("embedfleet_inputs_total").inc(len(vectors), tags={"model": model})
             metrics.get("embedfleet_input_tokens_total").inc(tokens, tags={"model": model})
             status = 200
             return Response(body, media_type="application/json",
-                            headers={"x-request-id": request_id, **fingerprint})
+                            headers={"x-request-id": request_id, **fingerprint,
+                                     **long_input_headers(report)})
         except EmbedfleetError as err:
             status = err.status
             return error_response(err)
@@ -212,6 +236,59 @@ class Router:
             return internal_error_response(exc, f"/v1/embeddings {request_id}")
         finally:
             self._observe(model, "embeddings", status, t0)
+
+    @app.post("/embed")
+    async def tei_embed(self, request: Request) -> Response:
+        """Hugging Face TEI's /embed: the same engines, TEI's request and response shapes."""
+        t0, model, status = time.perf_counter(), "_unknown", 500
+        request_id = f"tei-{uuid.uuid4().hex[:16]}"
+        try:
+            data = await read_json_body(request, self.cfg.router.max_body_bytes)
+            req = parse_tei_embed_request(data)
+            model = req.model or self.cfg.models[0].name
+            self._engine(model)
+            if len(req.inputs) > self.cfg.router.max_inputs_per_request:
+                raise TooManyInputs(f"inputs has {len(req.inputs)} items; at most "
+                                    f"{self.cfg.router.max_inputs_per_request}", param="inputs")
+            vectors, tokens, _, fingerprint, report = await self._embed(
+                model, req.inputs, request_id, dimensions=req.dimensions,
+                long_input=req.long_input_policy(self.cfg.model(model).long_input),
+                prompt_name=req.prompt_name, normalize=req.normalize)
+            metrics.get("embedfleet_inputs_total").inc(len(vectors), tags={"model": model})
+            metrics.get("embedfleet_input_tokens_total").inc(tokens, tags={"model": model})
+            status = 200
+            return Response(tei_embed_response(vectors), media_type="application/json",
+                            headers={"x-request-id": request_id, **fingerprint,
+                                     **long_input_headers(report)})
+        except EmbedfleetError as err:
+            status = err.status
+            return error_response(err)
+        except Exception as exc:
+            return internal_error_response(exc, f"/embed {request_id}")
+        finally:
+            self._observe(model, "embed", status, t0)
+
+    @app.post("/tokenize")
+    async def tei_tokenize(self, request: Request) -> Response:
+        """TEI's /tokenize with the model's own tokenizer (offsets into the input text)."""
+        t0, model, status = time.perf_counter(), "_unknown", 500
+        try:
+            data = await read_json_body(request, self.cfg.router.max_body_bytes)
+            req = parse_tei_tokenize_request(data)
+            model = req.model or self.cfg.models[0].name
+            handle = self._engine(model)
+            tokens = await asyncio.wait_for(
+                handle.tokenize_tei.remote(req.inputs, req.add_special_tokens, req.prompt_name),
+                timeout=self.cfg.router.request_timeout_s)
+            status = 200
+            return Response(tei_tokenize_response(tokens), media_type="application/json")
+        except EmbedfleetError as err:
+            status = err.status
+            return error_response(err)
+        except Exception as exc:
+            return internal_error_response(exc, "/tokenize")
+        finally:
+            self._observe(model, "tokenize", status, t0)
 
     @app.get("/v1/models")
     async def models(self) -> Response:

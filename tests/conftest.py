@@ -71,8 +71,31 @@ def tiny_qwen3_dir() -> Path:
     return build_tiny_qwen3(ROOT / ".cache" / "models" / "tiny-qwen3")
 
 
+STANDIN_EXPORTER_PORT = 9411
+BASELINE_MEMORY_RATIO = 0.5
+
+
 @pytest.fixture(scope="session")
-def cluster(tiny_qwen3_dir):
+def node_ip() -> str:
+    from ray.util import get_node_ip_address
+
+    return get_node_ip_address()
+
+
+@pytest.fixture(scope="session")
+def standin_exporter(node_ip):
+    """STAND-IN npu-exporter (tests only): card memory series whose values the tests set."""
+    from monitoring.exporters.standin_npu_exporter import StandinNpuExporter
+
+    exporter = StandinNpuExporter(port=STANDIN_EXPORTER_PORT).start()
+    for device in range(4):
+        exporter.set_ratio(node_ip, str(device), BASELINE_MEMORY_RATIO)
+    yield exporter
+    exporter.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_qwen3_dir, standin_exporter):
     """A live 4-card cluster serving tests/configs/e2e-cpu.yaml; yields the HTTP base URL."""
     TEST_STATE.mkdir(parents=True, exist_ok=True)
     FAULT_ARM_FILE.unlink(missing_ok=True)

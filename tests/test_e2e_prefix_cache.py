@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cluster
 
 # A shared instruction of 300+ tokens (the MiniLM tokenizer the tiny Qwen3 uses).
 PREFIX = ("Instruct: Given a question about contract law, retrieve the statute sections and court "
-          "decisions that answer it, preferring binding authority from the same jurisdiction. ") * 10
+          "decisions that answer it, preferring binding authority from the same jurisdiction. ") * 12
 
 
 def embed(cluster, model, texts):

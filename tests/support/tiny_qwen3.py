@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "embedfleet_tiny_qwen3.json"
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 SEED = 20240607
 # 32K inputs (the production max_model_len) must fit, with headroom like Qwen3-Embedding's 40960.
 MAX_POSITIONS = 40960
@@ -48,6 +48,8 @@ CONFIG: dict[str, Any] = {
     "eos_token_id": 102,  # [SEP]
     "pad_token_id": 0,  # [PAD]
     "dtype": "float32",
+    # Matryoshka sizes, as Qwen3-Embedding declares them: vLLM then honours `dimensions`.
+    "matryoshka_dimensions": [32, 64, 128],
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 

@@ -94,7 +94,17 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    sys.stdout.write(render_yaml(_config(args)))
+    cfg = _config(args)
+    if args.kuberay or args.ray_cluster:
+        from cluster.manifests import render_cluster_launcher, render_rayservice
+
+        if cfg.platform.kind != "ascend":
+            raise ConfigError(f"--kuberay/--ray-cluster render 910B manifests; this config has "
+                              f"platform.kind={cfg.platform.kind!r} (use an ascend config)")
+
+        sys.stdout.write(render_rayservice(cfg) if args.kuberay else render_cluster_launcher(cfg))
+    else:
+        sys.stdout.write(render_yaml(cfg))
     return 0
 
 
@@ -143,8 +153,8 @@ def collect_status(cfg: EmbedfleetConfig, address: str | None) -> dict[str, Any]
                 "replica_states": states,
                 "ready": sum(1 for r in replicas if r.get("ready")),
                 "cards": [{"node": r["node_ip"], "device": r["device"], "replica_id":
-                           r["replica_id"], "ready": r.get("ready"), "budget": r.get("budget")}
-                          for r in replicas],
+                           r["replica_id"], "ready": r.get("ready"), "budget": r.get("budget"),
+                           "pid": r.get("pid")} for r in replicas],
                 "prefix_cache": replicas[0].get("prefix_cache") if replicas else None,
             })
         # Settled: every replica of every deployment is running or waiting for a card; none is
@@ -231,8 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--address", required=True,
                      help="Ray dashboard address (http://host:8265) or head host")
     dep.set_defaults(func=cmd_deploy)
-    with_config(sub.add_parser("render", help="print the Serve config YAML")).set_defaults(
-        func=cmd_render)
+    ren = with_config(sub.add_parser("render", help="print the Serve config YAML"))
+    kind = ren.add_mutually_exclusive_group()
+    kind.add_argument("--kuberay", action="store_true",
+                      help="a KubeRay RayService manifest instead (ascend configs)")
+    kind.add_argument("--ray-cluster", action="store_true",
+                      help="a Ray cluster-launcher YAML for 910B nodes instead (ascend configs)")
+    ren.set_defaults(func=cmd_render)
     st = with_config(sub.add_parser("status", help="models, replicas per card, readiness"))
     st.add_argument("--address", help="Ray address (default: the local cluster)")
     st.add_argument("--json", action="store_true")

@@ -222,6 +222,11 @@ class RouterConfig(_Strict):
         default=120, description="Bound on one request's time inside the cluster."
     )
     retry_after_s: PositiveInt = Field(default=1, description="Retry-After on 429/503.")
+    api_keys_file: str | None = Field(
+        default=None, description="File of bearer API keys, one per line; none = open API.")
+    api_keys_env: str | None = Field(
+        default="EMBEDFLEET_API_KEYS",
+        description="Environment variable with comma-separated API keys (read at start-up).")
 
 
 class EmbedfleetConfig(_Strict):

@@ -126,7 +126,8 @@ def validation_error(err: ValidationError) -> RequestValidation:
     else:
         msg = f"invalid '{param}': {e['msg']}"
         if e["type"].endswith("_type") or e["type"] == "literal_error":
-            msg += f" (got {orjson.dumps(e.get('input'), default=str)[:100].decode()})"
+            # decode before cutting: slicing the UTF-8 bytes could split a character
+            msg += f" (got {orjson.dumps(e.get('input'), default=str).decode()[:100]})"
     return RequestValidation(msg, param=param.split(".")[0] if param else None)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from deployments import metrics
 from deployments.config import EmbedfleetConfig, ModelConfig, parse_config
 from deployments.engine import Embedding, EmbeddingEngine, EngineInfo
-from deployments.errors import EmbedfleetError, UnsupportedParameter
+from deployments.errors import EmbedfleetError, EngineUnavailable, UnsupportedParameter
 from deployments.protocol_tei import tokenize_tei
 from deployments.model_facts import read_model_facts
 from deployments.platform import (
@@ -95,6 +95,10 @@ class EngineReplica:
         self.model_cfg = self.cfg.model(model_name)
         resource = self.cfg.platform.card_resource
         self.card = card_identity(resource)
+        if self.cfg.platform.kind == "ascend":
+            from deployments.ascend_checks import assert_ascend_ready
+
+            logger.info("Ascend start-up checks passed: %s", assert_ascend_ready())
         if self.cfg.platform.kind == "cpu":
             binding = prepare_cpu_process(self.card.device, cards_on_this_node(resource))
             logger.info("CPU card %s: vLLM threads bound to cores %s", self.card.device, binding)
@@ -321,6 +325,14 @@ class EngineReplica:
         try:
             out = await engine.embed(pieces, request_id=f"b-{uuid.uuid4().hex[:12]}",
                                      skip_prefix_cache=self._skip_reads, normalize=normalize)
+        except (EmbedfleetError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            # The engine-core process died (or hung up): the call is safe to retry elsewhere,
+            # and the next health check makes Serve replace this replica.
+            self._healthy = False
+            raise EngineUnavailable(f"engine of replica {self.replica_id} failed: "
+                                    f"{type(exc).__name__}", retry_after_s=1) from None
         finally:
             self._calls_by_engine[id(engine)] -= 1
         metrics.get("embedfleet_engine_batch_size").observe(

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from deployments import metrics
+from deployments.auth import ApiKeyMiddleware, load_api_keys
 from deployments.config import EmbedfleetConfig, parse_config
 from deployments.errors import (
     BodyTooLarge,
@@ -60,6 +61,9 @@ REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 app = FastAPI(title="embedfleet", version="0.1.0",
               description="OpenAI-compatible embeddings over vLLM pooling engines on Ray Serve.")
+# Set by the Router at start-up (one router per process); empty = the API is open.
+_API_KEYS: tuple[bytes, ...] = ()
+app.add_middleware(ApiKeyMiddleware, keys_provider=lambda: _API_KEYS)
 
 
 @app.exception_handler(EmbedfleetError)
@@ -127,7 +131,11 @@ async def read_json_body(request: Request, limit: int) -> Any:
 class Router:
     def __init__(self, config: dict[str, Any], engines: dict[str, Any], registry: Any,
                  governor: Any = None) -> None:
+        global _API_KEYS
         self.cfg: EmbedfleetConfig = parse_config(config, "router args")
+        _API_KEYS = load_api_keys(self.cfg.router.api_keys_file, self.cfg.router.api_keys_env)
+        logger.info("router up; API keys %s", f"required ({len(_API_KEYS)})" if _API_KEYS
+                    else "not configured (open API)")
         self.engines = engines
         self.registry = registry
         self.governor = governor
@@ -168,13 +176,13 @@ class Router:
                 raise EngineUnavailable(
                     f"no replica answered within {self.cfg.router.request_timeout_s}s",
                     retry_after_s=retry_after) from None
-            except REPLICA_GONE as err:
+            except (EngineUnavailable, *REPLICA_GONE) as err:
                 last = err
                 logger.warning("replica died during %s (attempt %d/%d): %r", call.request_id,
                                attempt + 1, MAX_ATTEMPTS, err)
                 await asyncio.sleep(0.2 * (attempt + 1))
         raise EngineUnavailable(f"no replica could serve the request after {MAX_ATTEMPTS} "
-                                f"attempts ({type(last).__name__})", retry_after_s=retry_after)
+                                f"attempts ({last})", retry_after_s=retry_after)
 
     async def _embed(self, model: str, inputs: list, request_id: str, **call_args: Any
                      ) -> tuple[list[np.ndarray], int, int, dict[str, str], list[dict]]:

@@ -73,8 +73,8 @@ CASES = [
      "256"),
     ("token_input_too_long", body(input=[101] * 300), JSON, 400, "context_length_exceeded",
      "input", "300"),
-    ("body_too_large", body(input="x" * (1 << 20)), JSON, 413, "request_too_large", None,
-     "1048576"),
+    ("body_too_large", body(input="x" * (4 << 20)), JSON, 413, "request_too_large", None,
+     "4194304"),
 ]
 
 

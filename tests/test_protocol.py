@@ -49,3 +49,11 @@ def test_errors_pickle_and_carry_status_and_retry_after():
     too_long = pickle.loads(pickle.dumps(InputTooLong("300 > 256", param="input")))
     assert too_long.status == 400 and too_long.param == "input"
     assert EngineUnavailable("x", retry_after_s=1).status == 503
+
+
+def test_validation_message_never_splits_a_multibyte_character():
+    # Found by the fuzzer: a 500 when the echoed value was cut inside a UTF-8 sequence.
+    for pad in range(0, 8):
+        with pytest.raises(RequestValidation) as err:
+            parse_embedding_request({"model": "m", "input": "a", "task": ["x" * pad + "é" * 120]})
+        assert err.value.param == "task" and "got" in err.value.message

@@ -1,0 +1,110 @@
+"""Faults under load: a replica killed, an engine process killed. Nothing accepted is lost, nothing
+hangs, nothing answers 500."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+
+from tests.conftest import FAULTY_QWEN3, MINILM, ROOT
+
+pytestmark = pytest.mark.cluster
+
+KILL_REPLICA = """
+import sys, ray
+from ray.util.state import list_actors
+ray.init(address="auto", namespace="serve", logging_level="ERROR", log_to_driver=False)
+cls = "ServeReplica:embedfleet:engine-" + sys.argv[1]
+alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+         if a.class_name == cls]
+ray.kill(ray.get_actor(alive[0].name, namespace="serve"), no_restart=True)
+print(alive[0].name)
+"""
+
+
+def ready_replicas(cluster, model) -> list[dict]:
+    data = requests.get(f"{cluster}/v1/models", timeout=10).json()["data"]
+    cards = next(m for m in data if m["id"] == model)["replicas"]["cards"]
+    return [c for c in cards if c["ready"]]
+
+
+def wait_ready(cluster, model, n, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(ready_replicas(cluster, model)) >= n:
+            return
+        time.sleep(2)
+    raise AssertionError(f"{model} did not get back to {n} ready replicas in {timeout}s")
+
+
+def test_killing_one_of_two_replicas_under_load_fails_no_request(cluster):
+    wait_ready(cluster, MINILM, 2)
+    results: list[int] = []
+    started = threading.Event()
+
+    def client(k: int) -> None:
+        for i in range(25):
+            r = requests.post(f"{cluster}/v1/embeddings", json={
+                "model": MINILM, "input": [f"steady load {k}-{i}", "second input"]}, timeout=120)
+            results.append(r.status_code)
+            if len(results) >= 40:
+                started.set()
+
+    with cf.ThreadPoolExecutor(10) as pool:
+        futures = [pool.submit(client, k) for k in range(10)]
+        assert started.wait(120)
+        env = {**os.environ, "RAY_AUTH_MODE": "token"}
+        killed = subprocess.run([sys.executable, "-c", KILL_REPLICA, MINILM], env=env,
+                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert killed.returncode == 0, killed.stderr[-2000:]
+        for f in futures:
+            f.result()
+    assert len(results) == 250
+    assert set(results) == {200}, {c: results.count(c) for c in set(results)}
+    wait_ready(cluster, MINILM, 2)  # Serve replaced it (the freed card was reused)
+
+
+def engine_core_of(pid: int) -> psutil.Process:
+    for child in psutil.Process(pid).children(recursive=True):
+        if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+            return child
+    raise AssertionError(f"no vLLM EngineCore process under replica pid {pid}")
+
+
+def test_killing_the_engine_process_gives_503_or_success_never_500_or_hang(cluster,
+                                                                          cluster_status):
+    st = {m["model"]: m for m in cluster_status()["models"]}
+    (card,) = st[FAULTY_QWEN3]["cards"]
+    engine = engine_core_of(card["pid"])
+    os.kill(engine.pid, signal.SIGKILL)
+    codes: list[int] = []
+    deadline = time.monotonic() + 240
+    recovered = False
+    while time.monotonic() < deadline:
+        t0 = time.monotonic()
+        r = requests.post(f"{cluster}/v1/embeddings", json={"model": FAULTY_QWEN3,
+                                                            "input": "after the engine died"},
+                          timeout=150)
+        assert time.monotonic() - t0 < 150
+        codes.append(r.status_code)
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["type"] == "service_unavailable"
+        else:
+            replicas = ready_replicas(cluster, FAULTY_QWEN3)
+            if replicas and replicas[0]["replica_id"] != card["replica_id"]:
+                recovered = True
+                break
+        time.sleep(1)
+    assert recovered, f"replica not replaced; codes seen: {codes}"
+    assert 503 in codes or codes.count(200) == len(codes)

@@ -84,6 +84,11 @@ def cmd_down(args: argparse.Namespace) -> int:
         print("stopped prometheus")
     local.stop_head()
     print("stopped the local Ray head (and Serve with it)")
+    time.sleep(2)  # replicas' reapers kill their engines within a second of the replica's death
+    from deployments.reaper import sweep_orphans
+
+    if n := sweep_orphans():
+        print(f"killed {n} orphaned engine process(es)")
     return 0
 
 

@@ -39,6 +39,7 @@ from deployments.long_input import LongInputPolicy, SpecialTokens
 from deployments.canary import run_canary
 from deployments.card_memory import CardMemorySampler, CardMemoryUnavailable
 from deployments.fingerprint import fingerprint_headers, model_digest
+from deployments import reaper
 from deployments.registry import HEARTBEAT_INTERVAL_S
 
 logger = logging.getLogger("embedfleet.replica")
@@ -105,6 +106,7 @@ class EngineReplica:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download weights at run time
         self._registry = registry
         self._governor = governor
+        self._reapers: list = []
         self._factory = load_factory(engine_factory)
         adm = self.model_cfg.admission
         self.ceiling = self.model_cfg.budget_ceiling
@@ -142,6 +144,7 @@ class EngineReplica:
         self._skip_reads = False  # safe mode between a failed canary and the engine swap
         self._switching: asyncio.Task | None = None
         self._healthy = True
+        self._last_progress = time.monotonic()
         self.last_canary: dict[str, Any] | None = None
         if self.info.prefix_caching:
             await self._canary_once()  # prove cache hits before serving; switches off on failure
@@ -158,7 +161,13 @@ class EngineReplica:
 
     def _build(self, prefix_cache: bool) -> EmbeddingEngine:
         kwargs = self.cfg.engine_kwargs(self.model_cfg, enable_prefix_caching=prefix_cache)
-        return self._factory(kwargs)
+        os.environ[reaper.MARKER_ENV] = str(os.getpid())  # inherited by the engine's processes
+        before = set(reaper.engine_pids())
+        engine = self._factory(kwargs)
+        watchdog = reaper.start_reaper([p for p in reaper.engine_pids() if p not in before])
+        if watchdog is not None:
+            self._reapers.append(watchdog)
+        return engine
 
     def fingerprint(self) -> dict[str, str]:
         return fingerprint_headers(digest=self.digest, dtype=self.info.dtype,
@@ -335,6 +344,7 @@ class EngineReplica:
                                     f"{type(exc).__name__}", retry_after_s=1) from None
         finally:
             self._calls_by_engine[id(engine)] -= 1
+        self._last_progress = time.monotonic()
         metrics.get("embedfleet_engine_batch_size").observe(
             len(pieces), tags={"model": self.model_cfg.name})
         return out
@@ -390,7 +400,16 @@ class EngineReplica:
         return tokenize_tei(self.engine.hf_tokenizer, texts, add_special_tokens)
 
     async def check_health(self) -> None:
-        """Serve's health check: really embed something, within a bound."""
+        """Serve's health check: really embed something, within a bound.
+
+        When the engine is busy, a probe would queue behind (possibly huge) admitted work and
+        could time out on a healthy replica; then the engine finishing batches recently is the
+        proof of health, and the engine core's own liveness check must pass.
+        """
+        busy = self._inflight_seqs > 0
+        if busy and time.monotonic() - self._last_progress < self.cfg.health_check_timeout_s:
+            await self.engine.check_health()
+            return
         try:
             ids = self.engine.tokenize([HEALTH_PROBE_TEXT])
             out = await asyncio.wait_for(
@@ -418,6 +437,8 @@ class EngineReplica:
         if engine is not None:
             engine.shutdown()
             logger.info("engine of replica %s shut down", getattr(self, "replica_id", "?"))
+        for watchdog in getattr(self, "_reapers", []):
+            watchdog.terminate()
 
 
 def is_client_error(exc: BaseException) -> bool:

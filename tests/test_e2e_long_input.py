@@ -91,9 +91,14 @@ def test_tiny_qwen3_embeds_a_32k_token_input_with_chunk(cluster, minilm_tokenize
     assert resp.json()["usage"]["prompt_tokens"] >= 32000
 
 
-def test_mixed_batch_of_200_keeps_order_and_matches_single_requests(cluster):
+def test_mixed_batch_of_200_keeps_order_and_matches_single_requests(cluster, minilm_tokenizer):
     rng = random.Random(3)
-    texts = [doc(rng.choice([5, 20, 80, 200, 600, 1500, 3000]), seed=100 + i) for i in range(200)]
+    # lengths log-uniform from 5 to 3,000 tokens, both ends included
+    words = [3, 3000] + [int(np.exp(rng.uniform(np.log(3), np.log(3000)))) for _ in range(198)]
+    rng.shuffle(words)
+    texts = [doc(n, seed=100 + i) for i, n in enumerate(words)]
+    lengths = [len(ids) for ids in minilm_tokenizer(texts)["input_ids"]]
+    assert min(lengths) <= 6 and max(lengths) >= 3000
     batch = vecs(post(cluster, model=MINILM, input=texts, long_input="chunk",
                       encoding_format="float"))
     assert batch.shape == (200, 384)

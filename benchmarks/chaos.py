@@ -201,10 +201,11 @@ def summary(report: dict[str, Any]) -> str:
              f"  faults injected: {len(report['faults'])}"]
     lines += [f"    t={f['t_s']:>6}s {f['kind']:<16} {'ok ' if f['ok'] else 'ERR'} "
               f"{f.get('target') or f.get('error', '')}" for f in report["faults"]]
-    lines.append("  memory (RSS of process trees, MB): role  start -> end  (growth)")
+    lines.append("  memory (RSS of process trees, MB): role  xprocesses  start -> end  (growth)")
     for role, growth in mem["growth_mb"].items():
-        lines.append(f"    {role:<32} {mem['start'][role]['rss_mb']:>8} -> "
-                     f"{mem['end'][role]['rss_mb']:>8}  ({growth:+})")
+        a, b = mem["start"][role], mem["end"][role]
+        lines.append(f"    {role:<28} x{a['processes']}->{b['processes']} {a['rss_mb']:>8} -> "
+                     f"{b['rss_mb']:>8}  ({growth:+})")
     return "\n".join(lines)
 
 
@@ -410,12 +411,18 @@ async def _faults(opts: dict[str, Any], cluster: Cluster, t0: float, log: list[d
         print(f"fault t={entry['t_s']}s {kind}: {entry.get('target') or entry.get('error')}",
               flush=True)
         if kind == "stop-prometheus" and entry["ok"]:
-            restarts.append(asyncio.create_task(_restart_prometheus(opts, cluster, log, t0)))
+            restarts.append(asyncio.create_task(
+                _restart_prometheus(opts, cluster, log, t0, done)))
 
 
 async def _restart_prometheus(opts: dict[str, Any], cluster: Cluster, log: list[dict],
-                              t0: float) -> None:
-    await asyncio.sleep(opts["prometheus_down_s"])
+                              t0: float, done: asyncio.Event) -> None:
+    """Restart after the down time, or as soon as the load is over. Never cancelled: cancelling
+    a thread's await leaves the thread running, and a second start could race it."""
+    try:
+        await asyncio.wait_for(done.wait(), opts["prometheus_down_s"])
+    except asyncio.TimeoutError:
+        pass
     entry: dict[str, Any] = {"kind": "restart-prometheus"}
     try:
         entry.update(target=await asyncio.to_thread(cluster.start_prometheus), ok=True)
@@ -428,24 +435,31 @@ async def run(opts: dict[str, Any]) -> dict[str, Any]:
     models = opts.get("models") or _served_models(opts["url"])
     cluster = Cluster(opts["config"], random.Random(opts["seed"] + 1))
     mem_start = await asyncio.to_thread(_safe_memory, cluster)
+    tally, log, wall = await drive(
+        opts, cluster, lambda tally, deadline: _load(opts, models, tally, deadline))
+    mem_end = await asyncio.to_thread(_safe_memory, cluster)
+    return build_report({**opts, "models": models}, tally, wall, log, mem_start, mem_end)
+
+
+async def drive(opts: dict[str, Any], cluster: Any, load) -> tuple[Tally, list[dict], float]:
+    """Run ``load(tally, deadline)`` with the fault schedule beside it; on the way out (also on
+    an error or Ctrl-C) wait for a fault being injected and restart a stopped Prometheus."""
     tally, log, restarts = Tally(), [], []
     t0 = time.monotonic()
     done = asyncio.Event()
     fault_task = asyncio.create_task(_faults(opts, cluster, t0, log, restarts, done))
     try:
-        await _load(opts, models, tally, t0 + opts["duration"])
+        await load(tally, t0 + opts["duration"])
     finally:
-        done.set()  # not cancel(): a fault being injected finishes, so its state is known
+        # Not cancel(): a fault being injected finishes, so its state is known; a pending
+        # Prometheus restart happens now rather than after its delay.
+        done.set()
         await asyncio.gather(fault_task, return_exceptions=True)
-        for task in restarts:  # the load is over: restore now rather than after the delay
-            task.cancel()
         await asyncio.gather(*restarts, return_exceptions=True)
-        if cluster.prometheus_stopped:  # never leave Prometheus stopped, even on Ctrl-C
+        if cluster.prometheus_stopped:  # a restart failed, or never got scheduled
             log.append({"t_s": round(time.monotonic() - t0, 1), "kind": "restart-prometheus",
                         "ok": True, "target": cluster.start_prometheus()})
-    wall = time.monotonic() - t0
-    mem_end = await asyncio.to_thread(_safe_memory, cluster)
-    return build_report({**opts, "models": models}, tally, wall, log, mem_start, mem_end)
+    return tally, log, time.monotonic() - t0
 
 
 def _served_models(url: str) -> list[str]:

@@ -59,7 +59,7 @@ SLICE_INPUTS = 128
 MAX_ATTEMPTS = 3
 REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
-app = FastAPI(title="embedfleet", version="0.1.0",
+app = FastAPI(title="embedfleet", version="0.1.0", redirect_slashes=False,
               description="OpenAI-compatible embeddings over vLLM pooling engines on Ray Serve.")
 # Set by the Router at start-up (one router per process); empty = the API is open.
 _API_KEYS: tuple[bytes, ...] = ()

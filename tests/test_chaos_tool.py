@@ -7,7 +7,9 @@ documented soak command (`python -m benchmarks.chaos --soak`), not here.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
+import time
 
 import pytest
 
@@ -198,3 +200,80 @@ def test_empty_report_does_not_divide_by_zero():
     report = chaos.build_report({}, chaos.Tally(), 0.0, [], {}, {})
     assert report["requests"]["success_ratio"] is None
     assert "n/a" in chaos.summary(report)
+
+
+# -- the orchestration, with a stand-in cluster: faults in turn, Prometheus always restored ----
+class FakeCluster:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.prometheus_stopped = False
+
+    def kill_replica(self) -> str:
+        self.calls.append("kill-replica")
+        return "actor a"
+
+    def kill_engine(self) -> str:
+        raise RuntimeError("no EngineCore child under replica pid 7")
+
+    def stop_prometheus(self) -> str:
+        self.calls.append("stop")
+        self.prometheus_stopped = True
+        return "stopped"
+
+    def start_prometheus(self) -> str:
+        self.calls.append("start")
+        self.prometheus_stopped = False
+        return "restarted"
+
+
+def _drive(load, **opts):
+    cluster = FakeCluster()
+    base = {"duration": 0.9, "fault_every": 0.2, "prometheus_down_s": 30.0,
+            "faults": list(chaos.FAULT_KINDS)}
+    return cluster, asyncio.run(chaos.drive({**base, **opts}, cluster, load))
+
+
+async def _steady_load(tally, deadline):
+    while time.monotonic() < deadline:
+        tally.sent += 1
+        tally.record("ok", 0.001)
+        await asyncio.sleep(0.01)
+
+
+def test_faults_run_in_turn_and_a_stopped_prometheus_is_restarted_at_the_end():
+    cluster, (tally, log, wall) = _drive(_steady_load)
+    assert [e["kind"] for e in log] == ["kill-replica", "kill-engine", "stop-prometheus",
+                                        "kill-replica", "restart-prometheus"]
+    engine = log[1]
+    assert engine["ok"] is False and "no EngineCore child" in engine["error"]
+    assert cluster.calls == ["kill-replica", "stop", "kill-replica", "start"]
+    assert not cluster.prometheus_stopped and tally.sent > 10 and wall >= 0.9
+
+
+def test_prometheus_comes_back_after_its_down_time_during_the_run():
+    cluster, (_, log, _) = _drive(_steady_load, faults=["stop-prometheus"], duration=0.5,
+                                  prometheus_down_s=0.05)
+    assert [e["kind"] for e in log] == ["stop-prometheus", "restart-prometheus"] * 2
+    assert cluster.calls == ["stop", "start", "stop", "start"]
+
+
+def test_prometheus_is_restored_when_the_load_fails():
+    cluster = FakeCluster()
+
+    async def failing_load(tally, deadline):
+        await asyncio.sleep(0.3)
+        raise RuntimeError("load broke")
+
+    opts = {"duration": 10, "fault_every": 0.1, "prometheus_down_s": 30.0,
+            "faults": ["stop-prometheus"]}
+    with pytest.raises(RuntimeError, match="load broke"):
+        asyncio.run(chaos.drive(opts, cluster, failing_load))
+    assert cluster.calls[-1] == "start" and not cluster.prometheus_stopped
+
+
+def test_faults_stop_when_the_load_ends_early():
+    async def short_load(tally, deadline):
+        await asyncio.sleep(0.05)  # e.g. --max-requests reached
+
+    cluster, (_, log, wall) = _drive(short_load, duration=60, fault_every=1.0)
+    assert log == [] and cluster.calls == [] and wall < 5

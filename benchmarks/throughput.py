@@ -3,6 +3,8 @@
     python -m benchmarks.throughput --mode vllm          # the engine's own limit (no cluster)
     python -m benchmarks.throughput --mode http          # against a running `embedfleet up`
     python -m benchmarks.throughput --mode both          # vllm first, then http (cluster up)
+    python -m benchmarks.throughput --mode long --model tiny-qwen3   # 32K-token inputs, chunked,
+                                                                     # vs short inputs, over HTTP
 
 A seeded workload of mixed-length texts is sent in fixed batches with fixed concurrency; warm-up is
 excluded; each mode reports texts/s, tokens/s and p50/p99 batch latency, as JSON under
@@ -102,9 +104,44 @@ async def run_http(texts: list[str], batch: int, concurrency: int, url: str, mod
         return summarize("embedfleet-http", lat, wall, len(texts), tokens)
 
 
+async def run_long(url: str, model: str, n_long: int, long_tokens: int,
+                   concurrency: int) -> list[dict]:
+    """Tokens/s on long documents embedded with `long_input: chunk` vs on short inputs."""
+    import httpx
+
+    rng = random.Random(1)
+    # words that are one token each in BERT-style vocabularies, so a document is long_tokens
+    # tokens with [CLS]/[SEP]
+    single = "the court law case party claim time year day order state act".split()
+    long_docs = [" ".join(rng.choice(single) for _ in range(long_tokens - 2))
+                 for _ in range(n_long)]
+    short = workload(n_long * 64, seed=2, min_words=5, max_words=40)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def send(b: list[str], chunk: bool) -> int:
+            body = {"model": model, "input": b, "encoding_format": "base64"}
+            if chunk:
+                body["long_input"] = "chunk"
+            r = await client.post("/v1/embeddings", json=body)
+            r.raise_for_status()
+            return r.json()["usage"]["prompt_tokens"]
+
+        runs = []
+        for name, batches, chunk in (
+                ("long-32k-chunked", [[d] for d in long_docs], True),
+                ("short-inputs", [short[i:i + 32] for i in range(0, len(short), 32)], False)):
+            await _drive(batches[:1], 1, lambda b, c=chunk: send(b, c))  # warm-up
+            lat, wall, tokens = await _drive(batches, concurrency,
+                                             lambda b, c=chunk: send(b, c))
+            texts = sum(len(b) for b in batches)
+            runs.append(summarize(name, lat, wall, texts, tokens))
+        return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--mode", choices=("vllm", "http", "both"), default="both")
+    p.add_argument("--mode", choices=("vllm", "http", "both", "long"), default="both")
+    p.add_argument("--long-docs", type=int, default=4, help="long mode: documents to embed")
+    p.add_argument("--long-tokens", type=int, default=32768, help="long mode: tokens each")
     p.add_argument("--texts", type=int, default=2000)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4)
@@ -117,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     if args.mode in ("vllm", "both"):
         runs.append(asyncio.run(run_vllm(texts, args.batch, args.concurrency, args.config)))
+    if args.mode == "long":
+        runs += asyncio.run(run_long(args.url, args.model, args.long_docs, args.long_tokens,
+                                     args.concurrency))
     if args.mode in ("http", "both"):
         runs.append(asyncio.run(run_http(texts, args.batch, args.concurrency, args.url,
                                          args.model)))
@@ -125,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
               "workload": {"texts": args.texts, "batch": args.batch,
                            "concurrency": args.concurrency, "words": [5, 150], "seed": 0},
               "runs": runs}
-    if len(runs) == 2:
+    if args.mode == "both":
         report["http_over_vllm"] = round(runs[1]["texts_per_s"] / runs[0]["texts_per_s"], 3)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"throughput-{time.strftime('%Y%m%dT%H%M%S')}.json"

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from cluster import local
+from cluster import local, verify
 from cluster.monitoring_stack import start_monitoring, stop_monitoring
 from cluster.render import load_serve_yaml, render_yaml, serve_config
 from deployments.config import ConfigError, EmbedfleetConfig, load_config
@@ -257,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--address", help="Ray address (default: the local cluster)")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+    verify.add_parser(sub)
     return p
 
 

@@ -1,7 +1,6 @@
 """`embedfleet verify`: are a running cluster's vectors right?
 
 Per model, on a fixed built-in corpus (short, long, unicode, code):
-
   reference          served vectors vs transformers running the same weights with the model's
                      pooling (MEAN over the attention mask / CLS / LAST token) and L2 normalisation
                      where the model normalises: cosine per text, min and mean.
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import httpx
 import numpy as np
 
 from deployments.fingerprint import fingerprint_headers, model_digest
@@ -42,7 +42,7 @@ DEFAULT_MIN_COSINE = 0.999
 # Batching and cache hits may change float summation order, nothing else: near-identity.
 EXACT_COSINE = 0.99999
 CACHE_PREFIX_MIN_TOKENS = 300  # several KV blocks at any block size vLLM uses
-NORM_TOLERANCE = 1e-3          # |norm - 1| of a vector the model L2-normalises
+NORM_TOLERANCE = 1e-3          # |served norm / reference norm - 1|
 HIT_ATTEMPTS = 3               # with several replicas, a repeat may land on one without the cache
 REFERENCE_BATCH = 8
 SHUFFLE_SEED = 20240607
@@ -68,31 +68,23 @@ _LONG = ("Embedding servers are judged on two things: how many texts per second 
          "fingerprint of the weights, dtype and engine that made them, are compared with what "
          "another platform serves today, so a change shows up before an index is rebuilt.")
 CORPUS: tuple[str, ...] = (
-    "hello",
-    "What is the capital of France?",
-    "how do I reset my password",
-    "A",
+    "hello", "A", "What is the capital of France?", "how do I reset my password",
     "The quick brown fox jumps over the lazy dog.",
     "Retrieval-augmented generation combines a search index with a language model.",
     "Paris is the capital and most populous city of France, on the Seine.",
     "Photosynthesis converts light energy into chemical energy stored in glucose.",
     "The 2024 budget allocates $3.2 billion (≈ €2.9bn) to rail, up 12% year on year.",
     "Ünïcödé àccents: café, naïve, Straße, São Paulo, Øresund, Kraków.",
-    "机器学习是人工智能的一个分支，研究计算机如何从数据中学习。",
-    "東京は日本の首都であり、世界最大級の都市圏を持つ。",
-    "Привет, мир! Это проверка кириллицы.",
-    "مرحبا بالعالم، هذا اختبار للنص العربي.",
+    "机器学习是人工智能的一个分支，研究计算机如何从数据中学习。", "東京は日本の首都であり、世界最大級の都市圏を持つ。",
+    "Привет, мир! Это проверка кириллицы.", "مرحبا بالعالم، هذا اختبار للنص العربي.",
     "Emoji in text 🚀🔥 should not break tokenisation 👍",
     "def add(a: int, b: int) -> int:\n    return a + b\n",
     "SELECT name, COUNT(*) FROM users WHERE active = 1 GROUP BY name ORDER BY 2 DESC;",
     '{"model": "all-minilm-l6-v2", "input": ["a", "b"], "encoding_format": "float"}',
     "for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }  // dot product",
-    "https://example.com/path?query=embedding&lang=en#section-2",
-    "E = mc^2; ∑_{i=1}^{n} x_i² ≥ 0; ∀x ∈ ℝ",
+    "https://example.com/path?query=embedding&lang=en#section-2", "E = mc^2; ∑_{i=1}^{n} x_i² ≥ 0",
     "   leading and trailing whitespace,\ttabs and\nnewlines   ",
-    "buffalo buffalo buffalo buffalo buffalo buffalo buffalo buffalo",
-    _LONG,
-)
+    "buffalo buffalo buffalo buffalo buffalo buffalo buffalo buffalo", _LONG)
 SHARED_PREFIX = (
     "Instruct: You are given a question from a customer of a software company together with the "
     "product it concerns. Retrieve the documentation passages, release notes, troubleshooting "
@@ -130,9 +122,6 @@ class HttpClient:
     """The OpenAI embeddings API over HTTP; vectors travel as base64 float32 (exact)."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 300.0) -> None:
-        import httpx
-
-        self._httpx = httpx
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
@@ -140,7 +129,7 @@ class HttpClient:
     def models(self) -> list[dict[str, Any]]:
         try:
             resp = self._http.get("/v1/models")
-        except self._httpx.HTTPError as exc:
+        except httpx.HTTPError as exc:
             raise VerifyUsageError(f"cannot reach {self.url}: {exc}") from None
         if resp.status_code != 200:
             raise VerifyUsageError(f"GET {self.url}/v1/models answered {resp.status_code}: "
@@ -151,7 +140,7 @@ class HttpClient:
         body = {"model": model, "input": texts, "encoding_format": "base64"}
         try:
             resp = self._http.post("/v1/embeddings", json=body)
-        except self._httpx.HTTPError as exc:
+        except httpx.HTTPError as exc:
             raise ServerError(f"POST /v1/embeddings failed: {exc}") from None
         if resp.status_code != 200:
             raise ServerError(f"POST /v1/embeddings ({len(texts)} text(s)) answered "
@@ -189,7 +178,7 @@ def pooling_spec(model_dir: Path) -> PoolingSpec:
         defaults = vllm_arch_defaults(arch)
         if defaults is not None:
             return PoolingSpec(defaults.seq_pooling, normalize, f"vLLM's default for {arch}")
-    raise ModelFactsError(f"{model_dir}: no pooling in modules.json and no architecture vLLM knows")
+    raise ModelFactsError(f"{model_dir}: no pooling in modules.json, no architecture vLLM knows")
 
 
 def pool(hidden: Any, mask: Any, kind: str) -> Any:
@@ -218,7 +207,9 @@ class Reference:
         os.environ["TRANSFORMERS_OFFLINE"] = "1"
         import torch
         from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # the loading bars would interleave with the report
         self.dir = Path(model_dir)
         self.pooling = pooling_spec(self.dir)
         self.digest = model_digest(self.dir)
@@ -252,12 +243,9 @@ class Reference:
 def bundled_path(model: str) -> Path | None:
     from deployments.config import ModelSource
 
-    package = BUNDLED_PACKAGES.get(model)
-    if package is None:
-        return None
-    try:
-        return Path(ModelSource(package=package).resolve())
-    except ImportError:
+    try:  # resolved as the deployment resolves `source.package`
+        return Path(ModelSource(package=BUNDLED_PACKAGES[model]).resolve())
+    except (KeyError, ImportError):
         return None
 
 
@@ -281,9 +269,7 @@ class CheckResult:
         return float(np.mean(self.cosines)) if self.cosines else None
 
     def below(self) -> list[tuple[str, float]]:
-        if self.threshold is None:
-            return []
-        return [(t, c) for t, c in zip(self.texts, self.cosines) if c < self.threshold]
+        return [(t, c) for t, c in zip(self.texts, self.cosines) if c < (self.threshold or 0)]
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "status": self.status, "threshold": self.threshold,
@@ -313,16 +299,12 @@ def judge(name: str, cos: list[float], texts: Sequence[str], threshold: float,
 def check_reference(ref: Reference, texts: Sequence[str], served: np.ndarray, threshold: float,
                     served_digest: str | None) -> CheckResult:
     expected = ref.embed(texts)
-    problems = []
-    norms = np.linalg.norm(served.astype(np.float64), axis=1)
-    if ref.pooling.normalize and np.max(np.abs(norms - 1)) > NORM_TOLERANCE:
-        problems.append(f"the model normalises but served norms span {norms.min():.4f}–"
-                        f"{norms.max():.4f}")
-    elif not ref.pooling.normalize:
-        ratio = norms / np.linalg.norm(expected.astype(np.float64), axis=1)
-        if np.max(np.abs(ratio - 1)) > 1e-2:
-            problems.append(f"served/reference norm ratio spans {ratio.min():.4f}–"
-                            f"{ratio.max():.4f}")
+    # Cosine ignores length; a model that normalises must serve unit vectors, one that does not
+    # the reference's lengths.
+    ratio = np.linalg.norm(served.astype(np.float64), axis=1) / \
+        np.linalg.norm(expected.astype(np.float64), axis=1)
+    problems = [f"served norms are {ratio.min():.4f}–{ratio.max():.4f}× the reference's"] \
+        if np.max(np.abs(ratio - 1)) > NORM_TOLERANCE else []
     note = f"{ref.pooling.kind} pooling ({ref.pooling.source})" + \
         (", L2-normalised" if ref.pooling.normalize else "")
     if served_digest and served_digest != ref.digest:  # a note: a re-saved copy differs too
@@ -505,7 +487,8 @@ def verify_model(client: EmbeddingsClient, info: dict[str, Any], ref_dir: Path |
             checks.append(check_reference(ref, texts, vectors, min_cosine,
                                           fingerprint.get("x-embedfleet-model-digest")))
             if len(texts) < len(corpus):
-                checks[-1].note += f"; {len(corpus) - len(texts)} text(s) over {limit} tokens left out"
+                checks[-1].note += f"; {len(corpus) - len(texts)} text(s) over {limit} tokens " \
+                    "left out"
         elif ref_problem:
             checks.append(CheckResult(REFERENCE, "FAIL", min_cosine, note=ref_problem))
         else:
@@ -547,11 +530,9 @@ def render(reports: Sequence[ModelReport], console: Any) -> None:
                             for k, v in rep.fingerprint.items())
         table = Table(title=f"{rep.model}: [{_STYLE[verdict]}]{verdict}[/]", title_justify="left",
                       caption=caption or None, caption_justify="left")
-        for col, kw in (("check", {}), ("texts", {"justify": "right"}),
-                        ("min cosine", {"justify": "right"}), ("mean cosine", {"justify": "right"}),
-                        ("threshold", {"justify": "right"}), ("result", {}),
-                        ("note", {"overflow": "fold"})):
-            table.add_column(col, **kw)
+        for col in ("check", "texts", "min cosine", "mean cosine", "threshold", "result"):
+            table.add_column(col, justify="left" if col in ("check", "result") else "right")
+        table.add_column("note", overflow="fold")
         for c in rep.checks:
             table.add_row(c.name, str(len(c.cosines)) if c.cosines else "-", _fmt(c.min),
                           _fmt(c.mean), _fmt(c.threshold), f"[{_STYLE[c.status]}]{c.status}[/]",
@@ -562,7 +543,7 @@ def render(reports: Sequence[ModelReport], console: Any) -> None:
             if c.status == "FAIL" and low:
                 console.print(f"  {c.name} FAIL, worst texts:")
                 for text, cos in sorted(low, key=lambda x: x[1])[:8]:
-                    console.print(f"    {cos:.6f}  {_snippet(text)!r}", markup=False)
+                    console.print(f"    {cos:>9.6f}  {_snippet(text)!r}", markup=False)
     failed = [r.model for r in reports if not r.passed]
     console.print(f"[bold red]FAIL[/]: {', '.join(failed)}" if failed else
                   f"[bold green]PASS[/]: {len(reports)} model(s) verified")
@@ -570,7 +551,8 @@ def render(reports: Sequence[ModelReport], console: Any) -> None:
 
 # -- command -------------------------------------------------------------------------------------
 def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--url", default=DEFAULT_URL, help="the cluster's endpoint (default: %(default)s)")
+    p.add_argument("--url", default=DEFAULT_URL,
+                   help="the cluster's endpoint (default: %(default)s)")
     p.add_argument("--model", action="append", dest="models", metavar="NAME",
                    help="model to verify; repeatable (default: every model /v1/models lists)")
     p.add_argument("--model-path", action="append", default=[], metavar="NAME=PATH",

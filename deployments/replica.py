@@ -195,7 +195,18 @@ class EngineReplica:
             seqs, toks = self.budget.limits
             metrics.get("embedfleet_budget_sequences").set(seqs, tags=self._tags)
             metrics.get("embedfleet_budget_tokens").set(toks, tags=self._tags)
+            self._export_state()
             await asyncio.sleep(interval)
+
+    def _export_state(self) -> None:
+        """Re-set the state gauges every pass: Ray's metrics agent drops a gauge ~20 s after
+        its last update, and alerts such as "prefix cache disabled by the canary" need them."""
+        self._export_prefix_state()
+        self._export_inflight()
+        metrics.get("embedfleet_replica_ready").set(int(self._healthy), tags=self._tags)
+        if self.last_canary is not None:
+            metrics.get("embedfleet_canary_last_cosine").set(
+                self.last_canary["min_cosine"], tags={"model": self.model_cfg.name})
 
     def _export_card_memory(self) -> None:
         try:

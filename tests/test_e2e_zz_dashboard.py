@@ -97,9 +97,16 @@ PANEL_QUERIES = [PanelQuery(p["title"], t["refId"], t["expr"])
                  for row in DASH["panels"] for p in (row, *row.get("panels", []))  # collapsed rows
                  for t in p.get("targets", [])]
 
-# The event each panel needs beyond plain traffic and running replicas, and who produces it; only
-# used to make a "never appeared" failure say what to look at.
+# What makes each panel's series exist beyond plain traffic and running replicas, and who
+# produces it; only used to make a "never appeared" failure say what to look at. Gauges matter
+# here: Ray's metrics agent drops a gauge ~2 report intervals (~20 s) after its last set.
+GAUGE_SET_PER_CALL = "a call on the card in the last ~20 s (the in-flight gauges are set per call)"
 NEEDS_EVENT = {
+    "In-flight tokens vs budget": GAUGE_SET_PER_CALL,
+    "In-flight sequences vs budget": GAUGE_SET_PER_CALL,
+    "Budget fill per card": GAUGE_SET_PER_CALL,
+    "Prefix cache": "ray_embedfleet_prefix_cache_enabled set in the last ~20 s (replicas set it "
+                    "at start-up and when the canary switches caching off)",
     "Errors by status code": "a non-2xx answer (tests/test_e2e_errors.py; this file sends a 400)",
     "429 rejections/s": "a 429 (the burst in tests/test_e2e_governor.py)",
     "Truncations": "a truncated input (tests/test_e2e_long_input.py; this file sends one)",
@@ -171,8 +178,9 @@ def served_models(prometheus) -> list[str]:
     does (the label-values API, matched on the variable's metric)."""
     definition = MODEL_VAR["definition"]
     metric, label = re.fullmatch(r"label_values\((\S+), (\w+)\)", definition).groups()
-    body = requests.get(f"{PROMETHEUS}/api/v1/label/{label}/values",
-                        params={"match[]": metric}, timeout=10).json()
+    now = time.time()
+    body = requests.get(f"{PROMETHEUS}/api/v1/label/{label}/values", timeout=10, params={
+        "match[]": metric, "start": now - RANGE_S, "end": now}).json()
     assert body["status"] == "success", body
     return sorted(body["data"])
 

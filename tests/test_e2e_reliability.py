@@ -75,8 +75,13 @@ def test_killing_one_of_two_replicas_under_load_fails_no_request(cluster):
 
 def engine_core_of(pid: int) -> psutil.Process:
     for child in psutil.Process(pid).children(recursive=True):
-        if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
-            return child
+        try:  # the engine replaced after a canary failure can linger as a zombie: skip it
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+                return child
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
     raise AssertionError(f"no vLLM EngineCore process under replica pid {pid}")
 
 

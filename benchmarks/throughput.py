@@ -59,7 +59,8 @@ async def _drive(batches: list[list[str]], concurrency: int, send) -> tuple[list
         while not queue.empty():
             b = queue.get_nowait()
             t = time.perf_counter()
-            tokens += await send(b)
+            n = await send(b)  # not `tokens += await ...`: that reads `tokens` before awaiting
+            tokens += n
             latencies.append(time.perf_counter() - t)
 
     t0 = time.perf_counter()

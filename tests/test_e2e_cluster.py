@@ -53,22 +53,28 @@ def test_more_replicas_than_cards_stay_pending_and_status_says_so(cluster, clust
     # so Serve keeps the running replicas).
     run_cli("deploy", "--address", "http://127.0.0.1:8265", "--serve-config",
             str(write_serve_config(extra_minilm_replicas=1)), timeout=600)
-    deadline = time.monotonic() + 90
-    while True:
-        st = {m["model"]: m for m in cluster_status()["models"]}
-        m = st[MINILM]
-        if (m["pending"] and m["replica_states"].get("RUNNING") == 2) or \
-                time.monotonic() > deadline:
-            break
-        time.sleep(3)
-    assert m["replica_states"].get("RUNNING") == 2, m
-    assert "1 replica(s) waiting for a card" in m["pending"], m
-    assert '"NPU": 1' in m["pending"] and "0 of the cluster's 4 cards are free" in m["pending"]
-    assert m["ready"] == 2
-    # nothing crashed: every model still serves
-    assert requests.get(f"{cluster}/ready", timeout=10).status_code == 200
-    out = run_cli("status", "--config", str(__import__("tests.conftest").conftest.E2E_CONFIG))
-    assert "waiting for a card" in out.stdout
-    resp = requests.post(f"{cluster}/v1/embeddings", json={"model": MINILM, "input": "still up"},
-                         timeout=60)
-    assert resp.status_code == 200
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            st = {m["model"]: m for m in cluster_status()["models"]}
+            m = st[MINILM]
+            if (m["pending"] and m["replica_states"].get("RUNNING") == 2) or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(3)
+        assert m["replica_states"].get("RUNNING") == 2, m
+        assert "1 replica(s) waiting for a card" in m["pending"], m
+        assert '"NPU": 1' in m["pending"] and "0 of the cluster's 4 cards are free" in m["pending"]
+        assert m["ready"] == 2
+        # nothing crashed: every model still serves
+        assert requests.get(f"{cluster}/ready", timeout=10).status_code == 200
+        out = run_cli("status", "--config", str(__import__("tests.conftest").conftest.E2E_CONFIG))
+        assert "waiting for a card" in out.stdout
+        resp = requests.post(f"{cluster}/v1/embeddings", json={"model": MINILM, "input": "still up"},
+                             timeout=60)
+        assert resp.status_code == 200
+    finally:
+        # Give the card request back: a replica left pending would take the next card any
+        # other test frees (a killed replica's), and starve that model's replacement.
+        run_cli("deploy", "--address", "http://127.0.0.1:8265", "--serve-config",
+                str(write_serve_config()), timeout=900)

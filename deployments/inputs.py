@@ -64,14 +64,7 @@ class InputPreparer:
             check_dimensions(dimensions, info.hidden_size, info.matryoshka_dimensions,
                              any_up_to_hidden=not info.matryoshka_dimensions, model=info.model)
         if inputs and isinstance(inputs[0], str):
-            texts = list(inputs)  # type: ignore[arg-type]
-            if prompt_name is not None or (self.prompts and self.prompts.default_prompt_name):
-                if self.prompts is None:
-                    raise UnsupportedParameter(
-                        f"model '{info.model}' has no prompt templates; drop 'prompt_name'",
-                        param="prompt_name")
-                texts = self.prompts.apply_all(prompt_name, texts, task=task)
-            ids = self.tokenizer(texts)
+            ids = self.tokenizer(self.prompted(list(inputs), prompt_name, task))  # type: ignore
         else:
             if prompt_name is not None:
                 raise UnsupportedParameter("'prompt_name' applies to text inputs, not token ids",
@@ -87,6 +80,17 @@ class InputPreparer:
         plans = [plan(seq, info.max_model_len, pol, self.special, what=f"{self.param}[{i}]",
                       param=self.param) for i, seq in enumerate(ids)]
         return PreparedCall(plans, flatten(plans), sum(len(s) for s in ids))
+
+    def prompted(self, texts: list[str], prompt_name: str | None,
+                 task: str | None = None) -> list[str]:
+        """Texts with the model's instruction template applied (the named or default one)."""
+        if prompt_name is None and not (self.prompts and self.prompts.default_prompt_name):
+            return texts
+        if self.prompts is None:
+            raise UnsupportedParameter(
+                f"model '{self.info.model}' has no prompt templates; drop 'prompt_name'",
+                param="prompt_name")
+        return self.prompts.apply_all(prompt_name, texts, task=task)
 
     def finish(self, prepared: PreparedCall, vectors: list[np.ndarray], *,
                dimensions: int | None, normalize: bool) -> list[np.ndarray]:

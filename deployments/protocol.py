@@ -105,14 +105,19 @@ class EmbeddingRequest(BaseModel):
         return bool(self.input) and not isinstance(self.input[0], str)
 
 
-def parse_embedding_request(data: Any) -> EmbeddingRequest:
+def parse_body(model: type[BaseModel], data: Any) -> Any:
+    """A decoded JSON body -> ``model``, or ``RequestValidation`` naming the param (every API)."""
     if not isinstance(data, dict):
         raise RequestValidation(
             f"request body must be a JSON object; got {type(data).__name__}", param=None)
     try:
-        return EmbeddingRequest.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as err:
         raise validation_error(err) from None
+
+
+def parse_embedding_request(data: Any) -> EmbeddingRequest:
+    return parse_body(EmbeddingRequest, data)
 
 
 def validation_error(err: ValidationError) -> RequestValidation:

@@ -34,12 +34,11 @@ from typing import Any, TypedDict
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 from pydantic_core import PydanticCustomError
 
-from deployments.errors import RequestValidation
 from deployments.long_input import InputPlan, LongInputPolicy, TruncationDirection
-from deployments.protocol import validation_error
+from deployments.protocol import parse_body
 
 
 def _bad(code: str, message: str) -> PydanticCustomError:
@@ -129,24 +128,16 @@ class TeiTokenizeRequest(BaseModel):
         return normalize_tei_inputs(v)
 
 
-def _parse(model: type[BaseModel], data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise RequestValidation(
-            f"request body must be a JSON object; got {type(data).__name__}", param=None)
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        raise validation_error(err) from None
 
 
 def parse_tei_embed_request(data: Any) -> TeiEmbedRequest:
     """Decoded JSON -> ``TeiEmbedRequest``, or ``RequestValidation`` (422) naming the param."""
-    return _parse(TeiEmbedRequest, data)
+    return parse_body(TeiEmbedRequest, data)
 
 
 def parse_tei_tokenize_request(data: Any) -> TeiTokenizeRequest:
     """Decoded JSON -> ``TeiTokenizeRequest``, or ``RequestValidation`` (422) naming the param."""
-    return _parse(TeiTokenizeRequest, data)
+    return parse_body(TeiTokenizeRequest, data)
 
 
 # -- responses -------------------------------------------------------------------------------

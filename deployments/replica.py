@@ -22,7 +22,7 @@ import numpy as np
 from deployments import metrics
 from deployments.config import EmbedfleetConfig, ModelConfig, parse_config
 from deployments.engine import Embedding, EmbeddingEngine, EngineInfo
-from deployments.errors import EmbedfleetError, EngineUnavailable, UnsupportedParameter
+from deployments.errors import EmbedfleetError, EngineUnavailable
 from deployments.protocol_tei import tokenize_tei
 from deployments.model_facts import read_model_facts
 from deployments.platform import (
@@ -402,13 +402,8 @@ class EngineReplica:
 
     async def tokenize_tei(self, texts: list[str], add_special_tokens: bool = True,
                            prompt_name: str | None = None) -> list:
-        if prompt_name is not None or (self.model_cfg.prompts and
-                                       self.model_cfg.prompts.default_prompt_name):
-            if self.model_cfg.prompts is None:
-                raise UnsupportedParameter(f"model '{self.model_cfg.name}' has no prompt "
-                                           "templates; drop 'prompt_name'", param="prompt_name")
-            texts = self.model_cfg.prompts.apply_all(prompt_name, texts)
-        return tokenize_tei(self.engine.hf_tokenizer, texts, add_special_tokens)
+        return tokenize_tei(self.engine.hf_tokenizer, self.preparer.prompted(texts, prompt_name),
+                            add_special_tokens)
 
     async def check_health(self) -> None:
         """Serve's health check: really embed something, within a bound.
@@ -451,6 +446,3 @@ class EngineReplica:
         for watchdog in getattr(self, "_reapers", []):
             watchdog.terminate()
 
-
-def is_client_error(exc: BaseException) -> bool:
-    return isinstance(exc, EmbedfleetError) and exc.status < 500

@@ -47,19 +47,36 @@ def ray_running(address: str) -> bool:
     return out.returncode == 0
 
 
-def start_head(cards: int, resource: str = "NPU") -> str:
-    """Start a local Ray head with ``cards`` logical cards, or join the one already running."""
+def local_node_name(i: int) -> str:
+    return f"local-node-{i}"
+
+
+def start_head(cards: int, resource: str = "NPU", nodes: int = 1) -> str:
+    """Start a local Ray cluster with ``cards`` logical cards, or join the one already running.
+
+    ``nodes > 1`` starts a head and ``nodes - 1`` worker nodes on this machine, each with
+    ``cards / nodes`` cards and its own node name (they all share this machine's IP, so the name
+    is what tells their cards apart)."""
     s = settings()
     address = f"{node_ip()}:{s.ray_port}"
     if ray_running(address):
         print(f"joining the Ray head already running at {address}")
         return address
+    per_node = cards // nodes
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    named = [f"--node-name={local_node_name(0)}"] if nodes > 1 else []
     cmd = [RAY, "start", "--head", f"--port={s.ray_port}",
            f"--dashboard-port={s.dashboard_port}", "--dashboard-host=127.0.0.1",
-           f"--resources={json.dumps({resource: cards})}", "--disable-usage-stats"]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+           f"--resources={json.dumps({resource: per_node})}", "--disable-usage-stats", *named]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-    print(f"started a Ray head at {address} with {cards} logical {resource} card(s)")
+    for i in range(1, nodes):
+        # Port 0 = any free port: the head's dashboard agent already holds the default one.
+        subprocess.run([RAY, "start", f"--address={address}", f"--node-name={local_node_name(i)}",
+                        f"--resources={json.dumps({resource: per_node})}",
+                        "--dashboard-agent-listen-port=0", "--disable-usage-stats"],
+                       check=True, env=env, stdout=subprocess.DEVNULL)
+    shape = f"{nodes} nodes x {per_node}" if nodes > 1 else str(cards)
+    print(f"started a Ray cluster at {address} with {shape} logical {resource} card(s)")
     return address
 
 

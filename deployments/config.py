@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -120,6 +121,15 @@ class ReplicaBounds(_Strict):
     max_queued_requests: PositiveInt = Field(
         default=512, description="Requests queued per model before the router answers 429."
     )
+    upscale_delay_s: NonNegativeFloat = Field(
+        default=30, description="Load must stay above target this long before a replica is added.")
+    downscale_delay_s: NonNegativeFloat = Field(
+        default=600, description="Load must stay below target this long before one is removed "
+        "(also the idle time before scaling to zero).")
+    cold_start_hold_s: PositiveFloat = Field(
+        default=600, description="How long the router holds a request for a model with no ready "
+        "replica (scaled to zero, or waiting for a card) before answering 503 + Retry-After. "
+        "Covers an engine's cold start, so it is minutes on 910B for an 8B model.")
 
     @model_validator(mode="after")
     def _ordered(self) -> ReplicaBounds:
@@ -222,6 +232,9 @@ class RouterConfig(_Strict):
         default=120, description="Bound on one request's time inside the cluster."
     )
     retry_after_s: PositiveInt = Field(default=1, description="Retry-After on 429/503.")
+    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
+        default="EveryNode", description="Where Serve runs HTTP proxies. Local multi-node "
+        "clusters (nodes > 1 on one machine) need HeadOnly: every proxy binds the same port.")
     api_keys_file: str | None = Field(
         default=None, description="File of bearer API keys, one per line; none = open API.")
     api_keys_env: str | None = Field(
@@ -233,6 +246,9 @@ class EmbedfleetConfig(_Strict):
     app_name: ModelName = "embedfleet"
     platform: PlatformProfile = PlatformProfile()
     cards: PositiveInt = Field(default=1, description="Logical cards `embedfleet up` starts with.")
+    nodes: PositiveInt = Field(
+        default=1, description="Ray nodes `embedfleet up` starts on this machine (a local stand-in "
+        "for a multi-node cluster: each node gets cards/nodes cards and its own node name).")
     models: list[ModelConfig] = Field(min_length=1)
     router: RouterConfig = RouterConfig()
     governor: GovernorConfig = GovernorConfig()
@@ -246,6 +262,13 @@ class EmbedfleetConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"model names must be unique; repeated: {dupes}")
+        if self.cards % self.nodes:
+            raise ValueError(f"cards={self.cards} cannot be split evenly over nodes={self.nodes}")
+        if self.nodes > 1 and self.router.proxy_location != "HeadOnly":
+            raise ValueError(
+                f"nodes={self.nodes} start on one machine, where every node's Serve proxy would "
+                f"bind port {self.router.port}; set router.proxy_location: HeadOnly "
+                f"(got {self.router.proxy_location!r})")
         for i, m in enumerate(self.models):
             block = m.engine.block_size or self.platform.default_block_size
             where = f"models[{i}] ({m.name!r})"

@@ -7,12 +7,12 @@ Engine replicas pull their card's limits (``limits_for``) and enforce them as th
 (``hold_stale``) and serving goes on.
 
 Card identity — how a Prometheus series finds its replica. A card is ``(node, device)`` where
-``node`` is the node IP the replica reports (``CardIdentity.node_ip``, Ray's
-``get_node_ip_address()``) and ``device`` the card id Ray assigned it (the physical id in
-``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES``). Every preset yields series labelled
+``node`` is the node name the replica reports (``CardIdentity.node``: Ray's node name, which is
+the node IP unless ``ray start --node-name`` set one) and ``device`` the card id Ray assigned it
+(the physical id in ``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES``). Every preset yields series labelled
 ``node`` and ``device``; per preset the labels must carry the same values:
 
-* ``embedfleet``: the replicas export ``embedfleet_card_memory_*{node=<node IP>, device=<id>}``
+* ``embedfleet``: the replicas export ``embedfleet_card_memory_*{node=<node name>, device=<id>}``
   and the recording rule keeps both labels — matches by construction.
 * ``npu-exporter``: ``device`` comes from npu-exporter's ``id`` (the physical chip id, what Ray
   assigns). npu-exporter has no node label: the scrape config must attach ``node=<node IP>``, or

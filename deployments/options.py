@@ -54,6 +54,8 @@ def engine_deployment_options(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str
             "initial_replicas": r.min_replicas if r.initial_replicas is None
             else r.initial_replicas,
             "target_ongoing_requests": r.target_ongoing_requests,
+            "upscale_delay_s": r.upscale_delay_s,
+            "downscale_delay_s": r.downscale_delay_s,
         }
     return opts
 

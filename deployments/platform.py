@@ -16,13 +16,20 @@ VISIBLE_DEVICES_ENV = {"NPU": "ASCEND_RT_VISIBLE_DEVICES", "GPU": "CUDA_VISIBLE_
 
 @dataclass(frozen=True)
 class CardIdentity:
+    """Which card a replica holds: ``(node, device)``.
+
+    ``node`` is the node's Ray name (``ray start --node-name``), which defaults to the node IP, so
+    on a real cluster it is the IP that exporters' scrape configs attach. Local multi-node
+    clusters (``nodes > 1``) run every node on one IP and tell them apart by name."""
+
     node_id: str
+    node: str
     node_ip: str
     device: str  # the card id(s) Ray assigned, as in the visible-devices variable
 
     @property
     def label(self) -> str:
-        return f"{self.node_ip}/{self.device}"
+        return f"{self.node}/{self.device}"
 
 
 def card_identity(resource: str) -> CardIdentity:
@@ -31,8 +38,10 @@ def card_identity(resource: str) -> CardIdentity:
     ctx = ray.get_runtime_context()
     ids = ctx.get_accelerator_ids().get(resource) or []
     device = ",".join(str(i) for i in ids) or os.environ.get(VISIBLE_DEVICES_ENV.get(resource, ""), "")
-    return CardIdentity(node_id=ctx.get_node_id(), node_ip=ray.util.get_node_ip_address(),
-                        device=device or "none")
+    node_id = ctx.get_node_id()
+    ip = ray.util.get_node_ip_address()
+    name = next((n.get("NodeName") for n in ray.nodes() if n.get("NodeID") == node_id), None)
+    return CardIdentity(node_id=node_id, node=name or ip, node_ip=ip, device=device or "none")
 
 
 def cpu_cores_for_card(device: str, cards_on_node: int, cores: list[int]) -> list[int]:

@@ -52,7 +52,7 @@ class FleetRegistry:
         for info in self._replicas.values():
             out.setdefault(info["model"], []).append(info)
         for infos in out.values():
-            infos.sort(key=lambda i: (i.get("node_ip", ""), i.get("device", "")))
+            infos.sort(key=lambda i: (i.get("node", ""), i.get("device", "")))
         return out
 
     async def check_health(self) -> None:

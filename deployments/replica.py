@@ -137,7 +137,7 @@ class EngineReplica:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (unit use)
             self.replica_id = uuid.uuid4().hex[:8]
-        self._tags = {"model": model_name, "node": self.card.node_ip, "device": self.card.device}
+        self._tags = {"model": model_name, "node": self.card.node, "device": self.card.device}
         self._inflight_seqs = 0
         self._inflight_tokens = 0
         self._calls_by_engine: dict[int, int] = {}
@@ -183,7 +183,7 @@ class EngineReplica:
             if self._governor is not None:
                 try:
                     limits = await self._governor.limits_for.remote(
-                        self.card.node_ip, self.card.device, self.ceiling)
+                        self.card.node, self.card.device, self.ceiling)
                     if (limits["max_sequences"], limits["max_tokens"]) != self.budget.limits:
                         logger.warning("card %s budget -> %d sequences / %d tokens (%s)",
                                        self.card.label, limits["max_sequences"],
@@ -214,7 +214,7 @@ class EngineReplica:
         except CardMemoryUnavailable as exc:
             logger.warning("card memory unavailable: %s", exc)
             return
-        tags = {"node": self.card.node_ip, "device": self.card.device}
+        tags = {"node": self.card.node, "device": self.card.device}
         metrics.get("embedfleet_card_memory_used_bytes").set(used, tags=tags)
         metrics.get("embedfleet_card_memory_total_bytes").set(total, tags=tags)
 
@@ -287,6 +287,7 @@ class EngineReplica:
             "replica_id": self.replica_id,
             "model": self.model_cfg.name,
             "node_id": self.card.node_id,
+            "node": self.card.node,
             "node_ip": self.card.node_ip,
             "device": self.card.device,
             "pid": os.getpid(),

@@ -111,6 +111,27 @@ def test_autoscaling_bounds_rendered():
     assert engine["autoscaling_config"]["min_replicas"] == 0
     assert engine["autoscaling_config"]["max_replicas"] == 4
     assert "num_replicas" not in engine
+    assert engine["autoscaling_config"]["downscale_delay_s"] == 600  # Serve's own default
+
+
+def test_autoscaling_delays_rendered_and_validated_by_serve():
+    c = parse_config(cfg(models=[{**MODEL, "replicas": {
+        "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 2, "downscale_delay_s": 8}}]))
+    data = serve_config(c)
+    ServeDeploySchema.model_validate(data)
+    (engine,) = [d for d in data["applications"][0]["deployments"] if d["name"] == "engine-m"]
+    assert engine["autoscaling_config"]["upscale_delay_s"] == 2
+    assert engine["autoscaling_config"]["downscale_delay_s"] == 8
+
+
+def test_local_multi_node_needs_even_split_and_head_only_proxies():
+    ok = parse_config(cfg(cards=6, nodes=2, router={"proxy_location": "HeadOnly"}))
+    assert serve_config(ok)["proxy_location"] == "HeadOnly"
+    with pytest.raises(ConfigError, match=r"cards=5 cannot be split evenly over nodes=2"):
+        parse_config(cfg(cards=5, nodes=2, router={"proxy_location": "HeadOnly"}))
+    with pytest.raises(ConfigError, match=r"nodes=2 .*proxy_location: HeadOnly.*'EveryNode'"):
+        parse_config(cfg(cards=4, nodes=2))
+    assert serve_config(parse_config(cfg()))["proxy_location"] == "EveryNode"
 
 
 def test_render_cli_output_round_trips():

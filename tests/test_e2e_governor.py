@@ -10,15 +10,38 @@ import pytest
 import requests
 
 from deployments.config import load_config
-from tests.conftest import BASELINE_MEMORY_RATIO, E2E_CONFIG, MINILM
+from tests.conftest import BASELINE_MEMORY_RATIO, E2E_CONFIG, FAULTY_QWEN3, MINILM, TINY_QWEN3
 
 pytestmark = pytest.mark.cluster
 PROMETHEUS = "http://127.0.0.1:9090"
 
 
-def cards(cluster) -> dict[str, dict]:
+Card = tuple[str, str]  # (node, device)
+
+
+def cards(cluster) -> dict[Card, dict]:
     data = requests.get(f"{cluster}/v1/models", timeout=10).json()["data"]
-    return {c["device"]: {**c, "model": m["id"]} for m in data for c in m["replicas"]["cards"]}
+    return {(c["node"], c["device"]): {**c, "model": m["id"]}
+            for m in data for c in m["replicas"]["cards"]}
+
+
+def budget(cluster, card: Card) -> dict:
+    return cards(cluster)[card]["budget"]
+
+
+@pytest.fixture
+def card_and_twin(cluster) -> tuple[Card, Card]:
+    """A card under test and its twin: the same device id on the other node. Both nodes run on
+    one machine with one IP, so only the node *name* tells the two apart — the key the governor
+    must get right on a multi-node cluster."""
+    stable = {MINILM, TINY_QWEN3, FAULTY_QWEN3}  # fixed replica counts: they stay put
+    all_cards = cards(cluster)
+    by = {k: c for k, c in all_cards.items() if c["model"] in stable}
+    for (node, device) in sorted(by):
+        twins = [k for k in sorted(by) if k[1] == device and k[0] != node]
+        if twins:
+            return (node, device), twins[0]
+    raise AssertionError(f"no device id held on both nodes: {sorted(all_cards)}")
 
 
 def wait_for(predicate, timeout, what):
@@ -37,75 +60,86 @@ def ceiling(card) -> int:
     return cfg.model(card["model"]).budget_ceiling["max_tokens"]
 
 
-def governor_metric(device: str) -> float | None:
+def governor_metric(card: Card) -> float | None:
+    node, device = card
     r = requests.get(f"{PROMETHEUS}/api/v1/query", params={
-        "query": f'max(ray_embedfleet_governor_limit_tokens{{device="{device}"}})'}, timeout=10)
+        "query": f'max(ray_embedfleet_governor_limit_tokens{{node="{node}",device="{device}"}})'},
+        timeout=10)
     result = r.json()["data"]["result"]
     return float(result[0]["value"][1]) if result else None
 
 
-def test_pressure_on_card_1_lowers_only_card_1_then_recovers_step_by_step(
-        cluster, standin_exporter, node_ip, cluster_status):
+def test_pressure_on_one_card_lowers_only_that_card_then_recovers_step_by_step(
+        cluster, standin_exporter, card_and_twin, cluster_status):
+    card, twin = card_and_twin
     before = cards(cluster)
-    c0, c1 = ceiling(before["0"]), ceiling(before["1"])
-    assert before["0"]["budget"]["max_tokens"] == c0 and before["1"]["budget"]["max_tokens"] == c1
+    ceilings = {k: ceiling(c) for k, c in before.items()}
+    assert all(c["budget"]["max_tokens"] == ceilings[k] for k, c in before.items()), before
+    top = ceilings[card]
     interval = load_config(E2E_CONFIG).governor.interval_s
-    standin_exporter.set_ratio(node_ip, "1", 0.93)
+    standin_exporter.set_ratio(*card, 0.93)
     t0 = time.monotonic()
-    lowered = wait_for(lambda: (b := cards(cluster)["1"]["budget"])["max_tokens"] < c1 and b,
-                       30, "card 1's budget to drop")
+    lowered = wait_for(lambda: (b := budget(cluster, card))["max_tokens"] < top and b,
+                       30, f"the budget of card {card} to drop")
     # governor ticks + the replica's pull + the registry heartbeat, each `interval` apart at most
     assert time.monotonic() - t0 <= 2 * interval + 1 + 2 * interval + 4
     assert "0.93" in lowered["reason"] or "≥" in lowered["reason"] or "high" in lowered["reason"]
-    assert cards(cluster)["0"]["budget"]["max_tokens"] == c0  # card 0 untouched
-    status = {c["device"]: c for m in cluster_status()["models"] for c in m["cards"]}
-    assert status["1"]["budget"]["max_tokens"] < c1 and status["0"]["budget"]["max_tokens"] == c0
-    wait_for(lambda: (v := governor_metric("1")) is not None and v < c1, 60,
-             "the governor's limit for card 1 in Prometheus")
+    now = cards(cluster)
+    # every other card untouched — above all the twin, same device id on the other node
+    assert now[twin]["budget"]["max_tokens"] == ceilings[twin], (twin, now[twin])
+    assert all(c["budget"]["max_tokens"] == ceilings[k] for k, c in now.items()
+               if k != card and k in ceilings)
+    status = {(c["node"], c["device"]): c for m in cluster_status()["models"] for c in m["cards"]}
+    assert status[card]["budget"]["max_tokens"] < top
+    assert status[twin]["budget"]["max_tokens"] == ceilings[twin]
+    wait_for(lambda: (v := governor_metric(card)) is not None and v < top, 60,
+             f"the governor's limit for card {card} in Prometheus")
+    assert governor_metric(twin) == ceilings[twin]
 
-    standin_exporter.set_ratio(node_ip, "1", 0.70)
+    standin_exporter.set_ratio(*card, 0.70)
     seen = [lowered["max_tokens"]]
     deadline = time.monotonic() + 120
-    while seen[-1] < c1 and time.monotonic() < deadline:
-        v = cards(cluster)["1"]["budget"]["max_tokens"]
+    while seen[-1] < top and time.monotonic() < deadline:
+        v = budget(cluster, card)["max_tokens"]
         if v != seen[-1]:
             seen.append(v)
         time.sleep(0.5)
-    assert seen[-1] == c1, seen
+    assert seen[-1] == top, seen
     # A decrease already under way (cooldown elapsed while still at 0.93) may land first; from
     # the lowest point on, the budget climbs back in several additive steps, never down.
     climb = seen[seen.index(min(seen)):]
     assert len(climb) >= 3 and climb == sorted(climb), f"not step by step: {seen}"
     steps = {b - a for a, b in zip(climb, climb[1:])}
-    assert max(steps) <= c1 // 4, f"jumped instead of stepping: {seen}"
-    standin_exporter.set_ratio(node_ip, "1", BASELINE_MEMORY_RATIO)
+    assert max(steps) <= top // 4, f"jumped instead of stepping: {seen}"
+    standin_exporter.set_ratio(*card, BASELINE_MEMORY_RATIO)
 
 
 def test_prometheus_down_holds_last_limits_stale_and_requests_succeed(
-        cluster, standin_exporter, node_ip):
+        cluster, standin_exporter, card_and_twin):
     from cluster.monitoring_stack import start_monitoring, stop_monitoring
 
-    c1 = ceiling(cards(cluster)["1"])
-    standin_exporter.set_ratio(node_ip, "1", 0.95)
-    held = wait_for(lambda: (b := cards(cluster)["1"]["budget"])["max_tokens"] < c1 and b, 30,
-                    "card 1's budget to drop")
+    card, _ = card_and_twin
+    top = ceiling(cards(cluster)[card])
+    standin_exporter.set_ratio(*card, 0.95)
+    held = wait_for(lambda: (b := budget(cluster, card))["max_tokens"] < top and b, 30,
+                    f"the budget of card {card} to drop")
     assert stop_monitoring()
     try:
-        stale = wait_for(lambda: (b := cards(cluster)["1"]["budget"])["stale"] and b, 30,
+        stale = wait_for(lambda: (b := budget(cluster, card))["stale"] and b, 30,
                          "limits to be reported stale")
         assert stale["max_tokens"] <= held["max_tokens"]
         assert "rometheus" in stale["reason"]
-        standin_exporter.set_ratio(node_ip, "1", 0.10)  # unseen: Prometheus is down
+        standin_exporter.set_ratio(*card, 0.10)  # unseen: Prometheus is down
         for i in range(20):
             r = requests.post(f"{cluster}/v1/embeddings", json={
                 "model": MINILM, "input": [f"still serving {i}", "with the governor blind"]},
                 timeout=60)
             assert r.status_code == 200, r.text
-        assert cards(cluster)["1"]["budget"]["max_tokens"] == stale["max_tokens"]
+        assert budget(cluster, card)["max_tokens"] == stale["max_tokens"]
     finally:
         start_monitoring(load_config(E2E_CONFIG))
-        standin_exporter.set_ratio(node_ip, "1", BASELINE_MEMORY_RATIO)
-    wait_for(lambda: not cards(cluster)["1"]["budget"]["stale"], 60, "fresh limits again")
+        standin_exporter.set_ratio(*card, BASELINE_MEMORY_RATIO)
+    wait_for(lambda: not budget(cluster, card)["stale"], 60, "fresh limits again")
 
 
 def test_burst_larger_than_budget_queues_then_succeeds_or_gets_429(cluster):

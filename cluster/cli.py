@@ -14,6 +14,7 @@ from cluster.monitoring_stack import start_monitoring, stop_monitoring
 from cluster.render import load_serve_yaml, render_yaml, serve_config
 from deployments.config import ConfigError, EmbedfleetConfig, load_config
 from deployments.options import REGISTRY_NAME, engine_deployment_name
+from deployments.placement import card_counts, pending_replica_actors, waiting_message
 from deployments.settings import settings
 
 
@@ -61,7 +62,7 @@ def _wait_settled(cfg: EmbedfleetConfig, timeout_s: float) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     serve_cfg, cfg = _load(args)
-    local.start_head(cfg.cards, cfg.platform.card_resource)
+    local.start_head(cfg.cards, cfg.platform.card_resource, cfg.nodes)
     prom = start_monitoring(cfg)
     if prom:
         print(f"prometheus: {prom} (scraping Ray's metrics service discovery)")
@@ -131,9 +132,8 @@ def collect_status(cfg: EmbedfleetConfig, address: str | None) -> dict[str, Any]
             except Exception as exc:  # registry not up yet
                 snapshot = {"_error": [{"error": repr(exc)}]}
         resource = cfg.platform.card_resource
-        pending_actors = _pending_replica_actors(cfg.app_name)
-        free_cards = ray.available_resources().get(resource, 0)
-        total_cards = ray.cluster_resources().get(resource, 0)
+        pending_actors = pending_replica_actors(cfg.app_name)
+        free_cards, total_cards = card_counts(resource)
         models = []
         for m in cfg.models:
             dep = app.deployments.get(engine_deployment_name(m.name)) if app else None
@@ -144,20 +144,17 @@ def collect_status(cfg: EmbedfleetConfig, address: str | None) -> dict[str, Any]
             # Serve calls both "waiting for a card" and "loading the engine" STARTING; Ray's
             # actor state tells them apart (PENDING_CREATION = no resources yet).
             waiting = pending_actors.get(engine_deployment_name(m.name), 0)
-            pending_msg = ""
-            if waiting:
-                pending_msg = (f"{waiting} replica(s) waiting for a card: each needs "
-                               f"{{\"{resource}\": 1}}; {free_cards:g} of the cluster's "
-                               f"{total_cards:g} cards are free")
+            pending_msg = waiting_message(waiting, resource, free_cards, total_cards)
             models.append({
                 "model": m.name,
                 "deployment_status": str(dep.status.value if dep else "NOT_DEPLOYED"),
                 "message": dep.message if dep else "",
                 "pending": pending_msg,
+                "scaled_to_zero": m.replicas.min_replicas == 0 and not sum(states.values()),
                 "target_replicas": target,
                 "replica_states": states,
                 "ready": sum(1 for r in replicas if r.get("ready")),
-                "cards": [{"node": r["node_ip"], "device": r["device"], "replica_id":
+                "cards": [{"node": r["node"], "device": r["device"], "replica_id":
                            r["replica_id"], "ready": r.get("ready"), "budget": r.get("budget"),
                            "pid": r.get("pid")} for r in replicas],
                 "prefix_cache": replicas[0].get("prefix_cache") if replicas else None,
@@ -180,23 +177,6 @@ def _states(dep: Any) -> dict[str, int]:
             for k, v in (dep.replica_states or {}).items()}
 
 
-def _pending_replica_actors(app_name: str) -> dict[str, int]:
-    """Replica actors per deployment that Ray has not placed yet (waiting for resources)."""
-    from ray.util.state import list_actors
-
-    prefix = f"ServeReplica:{app_name}:"
-    counts: dict[str, int] = {}
-    try:
-        actors = list_actors(filters=[("state", "=", "PENDING_CREATION")], limit=10000)
-    except Exception:  # state API unavailable (no dashboard): report nothing rather than guess
-        return counts
-    for a in actors:
-        if a.class_name.startswith(prefix):
-            name = a.class_name[len(prefix):]
-            counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     cfg = _config(args)
     st = collect_status(cfg, args.address)
@@ -216,12 +196,21 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"{' (STALE)' if b.get('stale') else ''} — {b.get('reason')}")
         if m["pending"]:
             print(f"    pending: {m['pending']}")
+        if m["scaled_to_zero"]:
+            print("    scaled to zero: the next request starts a replica (and is held until "
+                  "it is ready)")
         if m["message"]:
             print(f"    serve says: {m['message']}")
         if m["prefix_cache"]:
             pc = m["prefix_cache"]
             print(f"    prefix cache: {'on' if pc.get('enabled') else 'off'} ({pc.get('reason')})")
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks.bench import main as bench_main  # vLLM and matplotlib only when benchmarking
+
+    return bench_main(args.bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
     verify.add_parser(sub)
+    # prefix_chars="+": `bench` has no options of its own, so every --flag (and --help) reaches
+    # benchmarks.bench's parser untouched.
+    bench = sub.add_parser("bench", help="compare embedfleet with vLLM and Infinity "
+                           "(`embedfleet bench --help`)", add_help=False, prefix_chars="+")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
     return p
 
 

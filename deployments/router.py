@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from starlette.responses import Response
 
 from deployments import metrics
 from deployments.auth import ApiKeyMiddleware, load_api_keys
+from deployments.cold_start import HoldExpired, await_with_hold
 from deployments.config import EmbedfleetConfig, parse_config
 from deployments.errors import (
     BodyTooLarge,
@@ -41,6 +43,8 @@ from deployments.errors import (
     error_response,
     internal_error_response,
 )
+from deployments.options import engine_deployment_name
+from deployments.placement import waiting_reasons
 from deployments.protocol import embedding_response, parse_embedding_request
 from deployments.protocol_tei import (
     parse_tei_embed_request,
@@ -157,13 +161,31 @@ class Router:
             logger.warning("FleetRegistry snapshot failed: %r", exc)
             return {}
 
+    async def _ready_replicas(self, model: str) -> int:
+        snap = await self._snapshot()
+        return sum(1 for r in snap.get(model, []) if r.get("ready"))
+
+    async def _waiting_reasons(self) -> dict[str, str]:
+        """{model: why replicas wait for a card}, from Ray's state API (off the event loop)."""
+        deployments = {engine_deployment_name(m.name): m.name for m in self.cfg.models}
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(
+                waiting_reasons, self.cfg.app_name, self.cfg.platform.card_resource,
+                deployments), timeout=10)
+        except Exception as exc:
+            logger.warning("placement query failed: %r", exc)
+            return {}
+
     async def _call(self, handle: Any, call: EmbedCall) -> EmbedResult:
         retry_after = self.cfg.router.retry_after_s
+        hold_s = self.cfg.model(call.model).replicas.cold_start_hold_s
         last: BaseException | None = None
         for attempt in range(MAX_ATTEMPTS):
             response = handle.embed.remote(call)
             try:
-                return await asyncio.wait_for(response, timeout=self.cfg.router.request_timeout_s)
+                return await await_with_hold(
+                    response, self.cfg.router.request_timeout_s, hold_s,
+                    lambda: self._has_ready(call.model))
             except BackPressureError as err:
                 metrics.get("embedfleet_overload_rejections_total").inc(
                     1, tags={"model": call.model, "reason": "serve_queue_full"})
@@ -171,10 +193,15 @@ class Router:
                                  retry_after_s=retry_after) from None
             except DeploymentUnavailableError as err:
                 raise NotReady(str(err.message), retry_after_s=retry_after) from None
-            except asyncio.TimeoutError:
+            except HoldExpired as err:
                 response.cancel()
+                if err.no_replica:
+                    why = (await self._waiting_reasons()).get(call.model, "no replica came up")
+                    raise NotReady(f"model '{call.model}' has no ready replica; the request was "
+                                   f"held {err.waited_s:.0f}s (cold_start_hold_s={hold_s:g}): "
+                                   f"{why}", retry_after_s=retry_after) from None
                 raise EngineUnavailable(
-                    f"no replica answered within {self.cfg.router.request_timeout_s}s",
+                    f"no replica answered within {err.waited_s:.0f}s",
                     retry_after_s=retry_after) from None
             except (EngineUnavailable, *REPLICA_GONE) as err:
                 last = err
@@ -183,6 +210,9 @@ class Router:
                 await asyncio.sleep(0.2 * (attempt + 1))
         raise EngineUnavailable(f"no replica could serve the request after {MAX_ATTEMPTS} "
                                 f"attempts ({last})", retry_after_s=retry_after)
+
+    async def _has_ready(self, model: str) -> bool:
+        return await self._ready_replicas(model) > 0
 
     async def _embed(self, model: str, inputs: list, request_id: str, **call_args: Any
                      ) -> tuple[list[np.ndarray], int, int, dict[str, str], list[dict]]:
@@ -209,20 +239,43 @@ class Router:
         metrics.get("embedfleet_request_latency_seconds").observe(
             time.perf_counter() - t0, tags={"model": model, "api": api})
 
+    async def _answer(self, api: str, where: str,
+                      handle: Callable[[dict[str, str]], Awaitable[Response]]) -> Response:
+        """Run one route's handler; own its status, metrics and error mapping.
+
+        ``handle`` records the model it resolved in ``seen["model"]`` (bounded label values)."""
+        t0, seen, status = time.perf_counter(), {"model": "_unknown"}, 500
+        try:
+            response = await handle(seen)
+            status = response.status_code
+            return response
+        except EmbedfleetError as err:
+            status = err.status
+            return error_response(err)
+        except Exception as exc:
+            return internal_error_response(exc, where)
+        finally:
+            self._observe(seen["model"], api, status, t0)
+
+    def _check_count(self, n: int, param: str) -> None:
+        limit = self.cfg.router.max_inputs_per_request
+        if n > limit:
+            raise TooManyInputs(f"{param} has {n} items; at most {limit} per request", param=param)
+
+    def _count_served(self, model: str, vectors: list, tokens: int) -> None:
+        metrics.get("embedfleet_inputs_total").inc(len(vectors), tags={"model": model})
+        metrics.get("embedfleet_input_tokens_total").inc(tokens, tags={"model": model})
+
     # -- routes --------------------------------------------------------------------------------
     @app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:
-        t0, model, status = time.perf_counter(), "_unknown", 500
         request_id = f"emb-{uuid.uuid4().hex[:16]}"
-        try:
-            data = await read_json_body(request, self.cfg.router.max_body_bytes)
-            req = parse_embedding_request(data)
-            model = req.model
-            limit = self.cfg.router.max_inputs_per_request
-            if len(req.input) > limit:
-                raise TooManyInputs(
-                    f"input has {len(req.input)} items; at most {limit} per request",
-                    param="input")
+
+        async def handle(seen: dict[str, str]) -> Response:
+            req = parse_embedding_request(
+                await read_json_body(request, self.cfg.router.max_body_bytes))
+            seen["model"] = req.model
+            self._check_count(len(req.input), "input")
             self._engine(req.model)
             vectors, tokens, cached, fingerprint, report = await self._embed(
                 req.model, req.input, request_id, dimensions=req.dimensions,
@@ -231,72 +284,49 @@ class Router:
             body = embedding_response(vectors, model=req.model, prompt_tokens=tokens,
                                       encoding=req.encoding_format, cached_tokens=cached,
                                       inputs_report=report)
-            metrics.get("embedfleet_inputs_total").inc(len(vectors), tags={"model": model})
-            metrics.get("embedfleet_input_tokens_total").inc(tokens, tags={"model": model})
-            status = 200
+            self._count_served(req.model, vectors, tokens)
             return Response(body, media_type="application/json",
                             headers={"x-request-id": request_id, **fingerprint,
                                      **long_input_headers(report)})
-        except EmbedfleetError as err:
-            status = err.status
-            return error_response(err)
-        except Exception as exc:
-            return internal_error_response(exc, f"/v1/embeddings {request_id}")
-        finally:
-            self._observe(model, "embeddings", status, t0)
+
+        return await self._answer("embeddings", f"/v1/embeddings {request_id}", handle)
 
     @app.post("/embed")
     async def tei_embed(self, request: Request) -> Response:
         """Hugging Face TEI's /embed: the same engines, TEI's request and response shapes."""
-        t0, model, status = time.perf_counter(), "_unknown", 500
         request_id = f"tei-{uuid.uuid4().hex[:16]}"
-        try:
-            data = await read_json_body(request, self.cfg.router.max_body_bytes)
-            req = parse_tei_embed_request(data)
-            model = req.model or self.cfg.models[0].name
+
+        async def handle(seen: dict[str, str]) -> Response:
+            req = parse_tei_embed_request(
+                await read_json_body(request, self.cfg.router.max_body_bytes))
+            model = seen["model"] = req.model or self.cfg.models[0].name
             self._engine(model)
-            if len(req.inputs) > self.cfg.router.max_inputs_per_request:
-                raise TooManyInputs(f"inputs has {len(req.inputs)} items; at most "
-                                    f"{self.cfg.router.max_inputs_per_request}", param="inputs")
+            self._check_count(len(req.inputs), "inputs")
             vectors, tokens, _, fingerprint, report = await self._embed(
                 model, req.inputs, request_id, dimensions=req.dimensions,
                 long_input=req.long_input_policy(self.cfg.model(model).long_input),
                 prompt_name=req.prompt_name, normalize=req.normalize)
-            metrics.get("embedfleet_inputs_total").inc(len(vectors), tags={"model": model})
-            metrics.get("embedfleet_input_tokens_total").inc(tokens, tags={"model": model})
-            status = 200
+            self._count_served(model, vectors, tokens)
             return Response(tei_embed_response(vectors), media_type="application/json",
                             headers={"x-request-id": request_id, **fingerprint,
                                      **long_input_headers(report)})
-        except EmbedfleetError as err:
-            status = err.status
-            return error_response(err)
-        except Exception as exc:
-            return internal_error_response(exc, f"/embed {request_id}")
-        finally:
-            self._observe(model, "embed", status, t0)
+
+        return await self._answer("embed", f"/embed {request_id}", handle)
 
     @app.post("/tokenize")
     async def tei_tokenize(self, request: Request) -> Response:
         """TEI's /tokenize with the model's own tokenizer (offsets into the input text)."""
-        t0, model, status = time.perf_counter(), "_unknown", 500
-        try:
-            data = await read_json_body(request, self.cfg.router.max_body_bytes)
-            req = parse_tei_tokenize_request(data)
-            model = req.model or self.cfg.models[0].name
-            handle = self._engine(model)
+        async def handle(seen: dict[str, str]) -> Response:
+            req = parse_tei_tokenize_request(
+                await read_json_body(request, self.cfg.router.max_body_bytes))
+            model = seen["model"] = req.model or self.cfg.models[0].name
             tokens = await asyncio.wait_for(
-                handle.tokenize_tei.remote(req.inputs, req.add_special_tokens, req.prompt_name),
+                self._engine(model).tokenize_tei.remote(req.inputs, req.add_special_tokens,
+                                                        req.prompt_name),
                 timeout=self.cfg.router.request_timeout_s)
-            status = 200
             return Response(tei_tokenize_response(tokens), media_type="application/json")
-        except EmbedfleetError as err:
-            status = err.status
-            return error_response(err)
-        except Exception as exc:
-            return internal_error_response(exc, "/tokenize")
-        finally:
-            self._observe(model, "tokenize", status, t0)
+
+        return await self._answer("tokenize", "/tokenize", handle)
 
     @app.get("/v1/models")
     async def models(self) -> Response:
@@ -317,7 +347,7 @@ class Router:
                     "ready": sum(1 for r in replicas if r.get("ready")),
                     "min": m.replicas.min_replicas,
                     "max": m.replicas.max_replicas,
-                    "cards": [{"node": r["node_ip"], "device": r["device"],
+                    "cards": [{"node": r["node"], "device": r["device"],
                                "replica_id": r["replica_id"], "ready": r.get("ready"),
                                "budget": r.get("budget")}
                               for r in replicas],
@@ -334,16 +364,31 @@ class Router:
 
     @app.get("/ready")
     async def ready(self) -> Response:
+        """200 while every model that must stay up (min_replicas >= 1) has a ready replica.
+
+        A scale-to-zero model at zero is ready (its first request starts a replica); a model whose
+        replicas cannot get a card says so under ``waiting``, whatever the status."""
         snap = await self._snapshot()
         counts = {m.name: sum(1 for r in snap.get(m.name, []) if r.get("ready"))
                   for m in self.cfg.models}
-        missing = sorted(n for n, c in counts.items() if c == 0)
+        waiting = await self._waiting_reasons()
+        detail = {}
+        for m in self.cfg.models:
+            n = counts[m.name]
+            state = ("serving" if n else "scaled to zero" if m.replicas.min_replicas == 0
+                     else "starting")
+            detail[m.name] = {"ready": n, "min": m.replicas.min_replicas,
+                              "max": m.replicas.max_replicas,
+                              "state": "waiting for a card" if m.name in waiting else state}
+        missing = sorted(m.name for m in self.cfg.models
+                         if counts[m.name] == 0 and m.replicas.min_replicas > 0)
+        extra = {"models": counts, "detail": detail, "waiting": waiting}
         if missing:
-            err = NotReady(f"no ready replica for model(s): {', '.join(missing)}",
+            why = "; ".join(f"{n}: {waiting[n]}" for n in missing if n in waiting)
+            err = NotReady(f"no ready replica for model(s): {', '.join(missing)}"
+                           + (f" ({why})" if why else ""),
                            retry_after_s=self.cfg.router.retry_after_s)
-            body = err.body()
-            body["models"] = counts
-            return Response(orjson.dumps(body), status_code=503, headers=err.headers(),
-                            media_type="application/json")
-        return Response(orjson.dumps({"status": "ready", "models": counts}),
+            return Response(orjson.dumps({**err.body(), **extra}), status_code=503,
+                            headers=err.headers(), media_type="application/json")
+        return Response(orjson.dumps({"status": "ready", **extra}),
                         media_type="application/json")

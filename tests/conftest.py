@@ -1,7 +1,7 @@
 """Session fixtures: one live embedfleet cluster for every end-to-end test.
 
 The cluster is started once per session through the real CLI (`embedfleet up --detach`), which
-starts (or joins) a local Ray head with 2 logical cards and deploys through Serve's REST API, the
+starts (or joins) a local Ray cluster of 2 nodes x 3 logical cards and deploys through Serve's REST API, the
 same path as `serve deploy`. Set EMBEDFLEET_TEST_KEEP_CLUSTER=1 to leave it running afterwards
 (a later session then re-deploys onto it, which is quick when the config is unchanged).
 """
@@ -27,6 +27,9 @@ FAULTY_QWEN3 = "tiny-qwen3-faulty"
 EMBEDFLEET = str(Path(sys.executable).with_name("embedfleet"))
 BASE_URL = "http://127.0.0.1:8000"
 MINILM = "all-minilm-l6-v2"
+AUTOSCALE = "minilm-autoscale"
+ZERO = "minilm-zero"
+NODES, CARDS_PER_NODE = 2, 3  # tests/configs/e2e-cpu.yaml
 
 
 def run_cli(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
@@ -39,10 +42,9 @@ def run_cli(*args: str, timeout: float = 900, check: bool = True) -> subprocess.
     return proc
 
 
-def write_serve_config(extra_minilm_replicas: int = 0) -> Path:
-    """Render the e2e config the way users do, then add the test-only hooks: the fault injector
-    around tiny-qwen3-faulty's engine (armed by a file), and optionally a replica-count override
-    that asks for more MiniLM replicas than there are cards."""
+def write_serve_config() -> Path:
+    """Render the e2e config the way users do, then add the test-only hook: the fault injector
+    around tiny-qwen3-faulty's engine (armed by a file)."""
     import yaml
 
     from cluster.render import serve_config
@@ -58,8 +60,6 @@ def write_serve_config(extra_minilm_replicas: int = 0) -> Path:
         if dep["name"] == f"engine-{FAULTY_QWEN3}":
             dep["ray_actor_options"]["runtime_env"] = {
                 "env_vars": {ARM_FILE_ENV: str(FAULT_ARM_FILE)}}
-        if dep["name"] == f"engine-{MINILM}" and extra_minilm_replicas:
-            dep["num_replicas"] += extra_minilm_replicas
     E2E_SERVE_CONFIG.write_text(yaml.safe_dump(data, sort_keys=False))
     return E2E_SERVE_CONFIG
 
@@ -87,16 +87,19 @@ def standin_exporter(node_ip):
     """STAND-IN npu-exporter (tests only): card memory series whose values the tests set."""
     from monitoring.exporters.standin_npu_exporter import StandinNpuExporter
 
+    from cluster.local import local_node_name
+
     exporter = StandinNpuExporter(port=STANDIN_EXPORTER_PORT).start()
-    for device in range(4):
-        exporter.set_ratio(node_ip, str(device), BASELINE_MEMORY_RATIO)
+    for node in range(NODES):
+        for device in range(CARDS_PER_NODE):
+            exporter.set_ratio(local_node_name(node), str(device), BASELINE_MEMORY_RATIO)
     yield exporter
     exporter.stop()
 
 
 @pytest.fixture(scope="session")
 def cluster(tiny_qwen3_dir, standin_exporter):
-    """A live 4-card cluster serving tests/configs/e2e-cpu.yaml; yields the HTTP base URL."""
+    """A live 2-node, 6-card cluster serving tests/configs/e2e-cpu.yaml; yields the HTTP base URL."""
     TEST_STATE.mkdir(parents=True, exist_ok=True)
     FAULT_ARM_FILE.unlink(missing_ok=True)
     E2E_CONFIG.write_text(E2E_TEMPLATE.read_text().replace("TINY_QWEN3", str(tiny_qwen3_dir)))

@@ -1,0 +1,51 @@
+"""Holding a request while its model has no ready replica (scaled to zero, or waiting for a card).
+
+Serve's handle already queues a call until a replica exists (and its queued calls are what make
+the autoscaler start one from zero); what the router adds is the bound: a call gets the usual
+``request_timeout_s``, and only if the model still has no ready replica by then is it held longer,
+up to ``cold_start_hold_s`` from arrival — an engine's cold start, not a stuck replica's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+class HoldExpired(Exception):
+    """The call did not finish within its bound; ``no_replica`` says whether it was held."""
+
+    def __init__(self, waited_s: float, no_replica: bool) -> None:
+        super().__init__(f"no answer after {waited_s:.0f}s")
+        self.waited_s = waited_s
+        self.no_replica = no_replica
+
+
+async def await_with_hold(call: Awaitable[Any], request_timeout_s: float, hold_s: float,
+                          has_ready_replica: Callable[[], Awaitable[bool]]) -> Any:
+    """Await ``call``; raise ``HoldExpired`` (after cancelling it) when its bound runs out."""
+    t0 = time.monotonic()
+    task = asyncio.ensure_future(call)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=request_timeout_s)
+        no_replica = False
+        if not done:
+            no_replica = not await has_ready_replica()
+            left = hold_s - (time.monotonic() - t0)
+            if no_replica and left > 0:
+                # Wait for a replica to come up, then give the call its usual time on it.
+                while not done and left > 0:
+                    done, _ = await asyncio.wait({task}, timeout=min(left, 2.0))
+                    left = hold_s - (time.monotonic() - t0)
+                    if not done and await has_ready_replica():
+                        done, _ = await asyncio.wait({task}, timeout=request_timeout_s)
+                        no_replica = False
+                        break
+        if not done:
+            raise HoldExpired(time.monotonic() - t0, no_replica)
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()

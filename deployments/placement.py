@@ -1,0 +1,57 @@
+"""Why a model has fewer replicas than it asked for: replicas that Ray has not placed on a card.
+
+Serve calls a replica STARTING both while it waits for a card and while it loads its engine; only
+Ray's actor state tells the two apart (``PENDING_CREATION`` = no node has the resources yet). The
+router's ``/ready`` and ``embedfleet status`` both report through this module, so they say the
+same thing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("embedfleet.placement")
+
+
+def pending_replica_actors(app_name: str) -> dict[str, int]:
+    """Replica actors per deployment that Ray has not placed yet (waiting for resources).
+
+    Blocking (Ray's state API); an unavailable state API reports nothing rather than a guess."""
+    from ray.util.state import list_actors
+
+    prefix = f"ServeReplica:{app_name}:"
+    counts: dict[str, int] = {}
+    try:
+        actors = list_actors(filters=[("state", "=", "PENDING_CREATION")], limit=10000)
+    except Exception as exc:
+        logger.debug("Ray state API unavailable: %r", exc)
+        return counts
+    for a in actors:
+        if a.class_name.startswith(prefix):
+            name = a.class_name[len(prefix):]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def card_counts(resource: str) -> tuple[float, float]:
+    """(free, total) cards in the cluster, from Ray's resource view."""
+    import ray
+
+    return ray.available_resources().get(resource, 0), ray.cluster_resources().get(resource, 0)
+
+
+def waiting_message(waiting: int, resource: str, free: float, total: float) -> str:
+    if not waiting:
+        return ""
+    return (f"{waiting} replica(s) waiting for a card: each needs {{\"{resource}\": 1}}; "
+            f"{free:g} of the cluster's {total:g} cards are free")
+
+
+def waiting_reasons(app_name: str, resource: str, deployments: dict[str, str]) -> dict[str, str]:
+    """{model: why its replicas wait} for the models (``{deployment name: model}``) that wait."""
+    pending = pending_replica_actors(app_name)
+    if not any(pending.get(d) for d in deployments):
+        return {}
+    free, total = card_counts(resource)
+    return {model: waiting_message(pending[d], resource, free, total)
+            for d, model in deployments.items() if pending.get(d)}

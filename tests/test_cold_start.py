@@ -1,0 +1,66 @@
+"""The router's bound on a call whose model has no ready replica (deployments/cold_start.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from deployments.cold_start import HoldExpired, await_with_hold
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def answer_after(delay: float, value: str = "ok") -> str:
+    await asyncio.sleep(delay)
+    return value
+
+
+def replica_ready_after(seconds: float):
+    t0 = time.monotonic()
+
+    async def has_ready() -> bool:
+        return time.monotonic() - t0 >= seconds
+    return has_ready
+
+
+def test_a_call_within_its_timeout_is_answered():
+    assert run(await_with_hold(answer_after(0.05), 1, 5, replica_ready_after(0))) == "ok"
+
+
+def test_a_slow_call_on_a_ready_model_is_not_held():
+    t0 = time.monotonic()
+    with pytest.raises(HoldExpired) as info:
+        run(await_with_hold(answer_after(10), 0.2, 5, replica_ready_after(0)))
+    assert not info.value.no_replica
+    assert time.monotonic() - t0 < 1  # the hold is for cold starts only
+
+
+def test_a_call_is_held_while_no_replica_is_ready_then_answered():
+    # The replica comes up after 1 s, the answer after 1.5 s: beyond request_timeout_s (0.3 s)
+    # but within the hold, so the client gets its answer.
+    assert run(await_with_hold(answer_after(1.5), 0.3, 10, replica_ready_after(1.0))) == "ok"
+
+
+def test_the_hold_is_bounded_and_says_no_replica():
+    t0 = time.monotonic()
+    with pytest.raises(HoldExpired) as info:
+        run(await_with_hold(answer_after(30), 0.2, 1.0, replica_ready_after(99)))
+    waited = time.monotonic() - t0
+    assert info.value.no_replica and 1.0 <= waited < 3.5, waited
+
+
+def test_a_replica_that_comes_up_gets_the_usual_timeout_not_forever():
+    with pytest.raises(HoldExpired) as info:
+        run(await_with_hold(answer_after(30), 0.3, 10, replica_ready_after(0.5)))
+    assert not info.value.no_replica and info.value.waited_s < 4
+
+
+def test_errors_of_the_call_pass_through():
+    async def boom():
+        raise RuntimeError("replica died")
+    with pytest.raises(RuntimeError, match="replica died"):
+        run(await_with_hold(boom(), 1, 1, replica_ready_after(0)))

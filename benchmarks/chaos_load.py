@@ -63,9 +63,13 @@ class Tally:
     outcomes: Counter = field(default_factory=Counter)
     ok_latencies: list[float] = field(default_factory=list)
     all_latencies: list[float] = field(default_factory=list)
+    # outcomes per model: a single-replica model's 503s while its engine is replaced are expected;
+    # a two-replica model's are not
+    by_model: dict[str, Counter] = field(default_factory=dict)
 
-    def record(self, outcome: str, latency_s: float) -> None:
+    def record(self, outcome: str, latency_s: float, model: str = "_all") -> None:
         self.outcomes[outcome] += 1
+        self.by_model.setdefault(model, Counter())[outcome] += 1
         self.all_latencies.append(latency_s)
         if outcome == "ok":
             self.ok_latencies.append(latency_s)
@@ -96,7 +100,7 @@ async def run_load(opts: dict[str, Any], models: list[str], tally: Tally,
                 outcome = "timeout"
             except httpx.TransportError:
                 outcome = "connection_error"
-            tally.record(outcome, time.perf_counter() - t)
+            tally.record(outcome, time.perf_counter() - t, body.get("model", "_all"))
 
         def more() -> bool:
             return time.monotonic() < deadline and tally.sent < opts["max_requests"]
@@ -150,7 +154,9 @@ def build_report(opts: dict[str, Any], tally: Tally, wall_s: float, faults: list
         "requests": {"sent": tally.sent, "succeeded": succeeded,
                      "failed": sum(failed.values()), "failed_by_status": failed,
                      "success_ratio": round(succeeded / tally.sent, 5) if tally.sent else None,
-                     "achieved_rps": round(tally.sent / wall_s, 1) if wall_s > 0 else None},
+                     "achieved_rps": round(tally.sent / wall_s, 1) if wall_s > 0 else None,
+                     "by_model": {m: dict(sorted(c.items())) for m, c in
+                                  sorted(tally.by_model.items())}},
         "latency_ms": {"ok_p50": ms(tally.ok_latencies, 50), "ok_p99": ms(tally.ok_latencies, 99),
                        "all_p50": ms(tally.all_latencies, 50),
                        "all_p99": ms(tally.all_latencies, 99),
@@ -167,6 +173,7 @@ def summary(report: dict[str, Any]) -> str:
     lines = [f"chaos run: {report['wall_s']}s, {r['sent']} requests ({r['achieved_rps']}/s)",
              f"  succeeded {r['succeeded']}  failed {r['failed']} {r['failed_by_status'] or ''}"
              f"  success {ratio}",
+             *(f"    {m}: {dict(c)}" for m, c in r.get("by_model", {}).items()),
              f"  latency ok p50 {lat['ok_p50']} ms  p99 {lat['ok_p99']} ms  "
              f"(all requests p99 {lat['all_p99']} ms, max {lat['all_max']} ms)",
              f"  faults injected: {len(report['faults'])}"]

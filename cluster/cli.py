@@ -213,6 +213,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
+def cmd_prefix_cache(args: argparse.Namespace) -> int:
+    """Show the fleet's prefix-cache overrides (set when a canary failed), or clear one."""
+    import ray
+    from ray import serve
+
+    cfg = _config(args)
+    if args.clear and args.clear not in {m.name for m in cfg.models}:
+        raise ConfigError(f"--clear {args.clear!r}: not a model of this config "
+                          f"({', '.join(m.name for m in cfg.models)})")
+    ray.init(address=args.address or "auto", namespace="serve", logging_level="ERROR",
+             log_to_driver=False)
+    try:
+        registry = serve.get_deployment_handle(REGISTRY_NAME, cfg.app_name)
+        if args.clear:
+            cleared = registry.clear_prefix_cache_override.remote(args.clear).result(timeout_s=30)
+            print(f"{args.clear}: override cleared" if cleared else
+                  f"{args.clear}: no override to clear")
+            if cleared:
+                print("  new replicas follow the model's prefix_cache setting again; running "
+                      "replicas keep caching off until they restart")
+            return 0
+        for m in cfg.models:
+            o = registry.prefix_cache_override.remote(m.name).result(timeout_s=30)
+            print(f"{m.name}: " + (f"OFF by override since {time.ctime(o['at'])} — {o['reason']}"
+                                   if o else "no override"))
+        return 0
+    finally:
+        ray.shutdown()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="embedfleet", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -246,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--address", help="Ray address (default: the local cluster)")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+    pc = with_config(sub.add_parser(
+        "prefix-cache", help="show the prefix-cache overrides a failed canary set, or clear one"))
+    pc.add_argument("--clear", metavar="MODEL", help="forget MODEL's override (after a fix)")
+    pc.add_argument("--address", help="Ray address (default: the local cluster)")
+    pc.set_defaults(func=cmd_prefix_cache)
     verify.add_parser(sub)
     # prefix_chars="+": `bench` has no options of its own, so every --flag (and --help) reaches
     # benchmarks.bench's parser untouched.
@@ -258,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("up", "down", "deploy", "status"):
+    if args.command in ("up", "down", "deploy", "status", "prefix-cache"):
         local.ensure_token_auth()
     try:
         return int(args.func(args) or 0)

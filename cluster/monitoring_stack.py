@@ -57,7 +57,9 @@ def start_monitoring(cfg: EmbedfleetConfig) -> str | None:
             config_file.write_text(text)
             httpx.post(f"{url}/-/reload", timeout=10).raise_for_status()
         return url
-    start_prometheus(text, _data_dir(), settings().prometheus_port, detach=True)
+    # A restart replays the persistent TSDB's WAL: over 30 s on a busy 2-core machine.
+    start_prometheus(text, _data_dir(), settings().prometheus_port, detach=True,
+                     ready_timeout=180)
     return url
 
 

@@ -3,7 +3,8 @@
 Serve's handle already queues a call until a replica exists (and its queued calls are what make
 the autoscaler start one from zero); what the router adds is the bound: a call gets the usual
 ``request_timeout_s``, and only if the model still has no ready replica by then is it held longer,
-up to ``cold_start_hold_s`` from arrival — an engine's cold start, not a stuck replica's.
+up to ``cold_start_hold_s`` from arrival — an engine's cold start, not a stuck replica's. The
+router passes a hold only for scale-to-zero models; the others get 503 + Retry-After.
 """
 
 from __future__ import annotations

@@ -127,9 +127,10 @@ class ReplicaBounds(_Strict):
         default=600, description="Load must stay below target this long before one is removed "
         "(also the idle time before scaling to zero).")
     cold_start_hold_s: PositiveFloat = Field(
-        default=600, description="How long the router holds a request for a model with no ready "
-        "replica (scaled to zero, or waiting for a card) before answering 503 + Retry-After. "
-        "Covers an engine's cold start, so it is minutes on 910B for an 8B model.")
+        default=600, description="min_replicas 0 only: how long the router holds a request while "
+        "the model has no ready replica (scaled to zero, or its replica waiting for a card) "
+        "before answering 503 + Retry-After. Covers an engine's cold start, so it is minutes on "
+        "910B for an 8B model.")
 
     @model_validator(mode="after")
     def _ordered(self) -> ReplicaBounds:

@@ -178,7 +178,10 @@ class Router:
 
     async def _call(self, handle: Any, call: EmbedCall) -> EmbedResult:
         retry_after = self.cfg.router.retry_after_s
-        hold_s = self.cfg.model(call.model).replicas.cold_start_hold_s
+        bounds = self.cfg.model(call.model).replicas
+        # Only a scale-to-zero model is held for a cold start; a model that should always have a
+        # replica answers 503 + Retry-After within request_timeout_s when none can serve.
+        hold_s = bounds.cold_start_hold_s if bounds.min_replicas == 0 else 0.0
         last: BaseException | None = None
         for attempt in range(MAX_ATTEMPTS):
             response = handle.embed.remote(call)

@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from deployments.fingerprint import model_digest
-from tests.conftest import FAULT_ARM_FILE, FAULTY_QWEN3, MINILM, TINY_QWEN3
+from tests.conftest import E2E_CONFIG, FAULT_ARM_FILE, FAULTY_QWEN3, MINILM, TINY_QWEN3, run_cli
 
 pytestmark = pytest.mark.cluster
 
@@ -125,6 +125,21 @@ def test_failing_canary_switches_prefix_cache_off_without_losing_requests(cluste
     assert min(cos(x, y) for x, y in zip(after, truth)) >= 0.99999
     # ...and it stays off: the healthy model is untouched
     assert model_info(cluster, TINY_QWEN3)["prefix_cache"]["state"] == "on"
+
+
+def test_prefix_cache_override_is_shown_and_can_be_cleared(cluster):
+    # Runs after the canary switched the faulty model off.
+    cfg = str(E2E_CONFIG)
+    shown = run_cli("prefix-cache", "--config", cfg).stdout
+    assert f"{FAULTY_QWEN3}: OFF by override" in shown and "canary" in shown, shown
+    assert f"{TINY_QWEN3}: no override" in shown
+    out = run_cli("prefix-cache", "--config", cfg, "--clear", FAULTY_QWEN3).stdout
+    assert f"{FAULTY_QWEN3}: override cleared" in out, out
+    assert f"{FAULTY_QWEN3}: no override" in run_cli("prefix-cache", "--config", cfg).stdout
+    again = run_cli("prefix-cache", "--config", cfg, "--clear", FAULTY_QWEN3).stdout
+    assert "no override to clear" in again
+    bad = run_cli("prefix-cache", "--config", cfg, "--clear", "nope", check=False)
+    assert bad.returncode == 2 and "not a model of this config" in bad.stderr
 
 
 def test_canary_failure_is_in_prometheus(cluster):

@@ -10,7 +10,7 @@ STAMP := $(VENV)/.embedfleet-installed
 EXTRAS ?= cpu,test
 PYTEST_ARGS ?=
 
-.PHONY: setup run test down prometheus clean
+.PHONY: setup bench-setup run test down prometheus clean
 
 setup: $(STAMP) prometheus
 
@@ -32,14 +32,19 @@ prometheus:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
 
+# Infinity, a benchmark peer (`embedfleet bench`), in a venv of its own: its numpy/transformers pins
+# conflict with vLLM's. The script is idempotent (a stamp holds its requirements' hash).
+bench-setup: $(STAMP)
+	bash benchmarks/setup_infinity_venv.sh
+
 run: setup
 	$(VENV)/bin/embedfleet up
 
 down: $(STAMP)
 	$(VENV)/bin/embedfleet down
 
-test: setup
+test: setup bench-setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .embedfleet .pytest_cache
+	rm -rf $(VENV) .venv-infinity .embedfleet .pytest_cache

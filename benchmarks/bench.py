@@ -1,0 +1,367 @@
+"""`embedfleet bench`: embedfleet against bare vLLM, vLLM's own server and Infinity, in one run.
+
+    embedfleet bench --quick                                  # smoke test: every peer, tiny sizes
+    embedfleet bench --peers vllm,vllm-serve,infinity         # no cluster needed
+    embedfleet bench --repeats 5 --workloads short,mixed      # more repeats, fewer workloads
+    python -m benchmarks.bench ...                            # the same without the CLI
+
+Peers (benchmarks/peers.py, benchmarks/embedfleet_peer.py): `vllm` (AsyncLLM in-process, the
+engine's limit), `vllm-serve` (vLLM's OpenAI server), `infinity` (Infinity from .venv-infinity;
+`make bench-setup` creates it), `embedfleet` (one replica over HTTP; started with `embedfleet up`
+when nothing answers at --embedfleet-url). Same model, engine arguments, cores, seeded texts,
+texts per request and concurrency for all.
+
+Runs alternate: for each repeat, for each workload, every peer in turn (the order rotates per
+repeat), so slow drift on a shared machine spreads over all peers instead of biasing one. Warm-up
+is untimed and uses other texts. The summary is the median of the repeats. A few texts per
+workload are embedded by every peer and compared with `vllm`'s vectors (cosine >= 0.999).
+
+Writes report.json (every run, the summary, the machine) and chart.png to --out, and prints a
+table. Exit status 1 when a peer failed, a run errored or vectors disagree (skips are not
+failures: the report says why each one was skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report as rpt
+from benchmarks.load_driver import batch_size, describe_error, timed_run, warm_up
+from benchmarks.workloads import FULL, NAMES, QUICK, Workload, build
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+ALL_PEERS = ("vllm", "vllm-serve", "infinity", "embedfleet")
+ALL_WORKLOADS = (*NAMES, "prefix-cache")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="embedfleet bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"tiny workloads ({QUICK.short} short texts, {QUICK.long} long "
+                        "documents, ...), 1 repeat, 1 warm-up request: a smoke test of every "
+                        "peer, not a measurement")
+    p.add_argument("--repeats", type=int, help="timed passes per peer and workload "
+                   "(default 3; 1 with --quick); the summary is their median")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--batch", type=int, default=32, help="texts per request (the long "
+                   "workload sends one document per request)")
+    p.add_argument("--peers", default=",".join(ALL_PEERS),
+                   help=f"comma-separated subset of {','.join(ALL_PEERS)}")
+    p.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
+                   help=f"comma-separated subset of {','.join(ALL_WORKLOADS)}")
+    p.add_argument("--out", type=Path, help="output folder (default "
+                   "benchmarks/results/bench-<timestamp>/)")
+    p.add_argument("--embedfleet-url", default="http://127.0.0.1:8000")
+    p.add_argument("--embedfleet-model", default=None,
+                   help="model name on the embedfleet cluster (default: the bench config's)")
+    p.add_argument("--cores", default=None, help="cores every engine is pinned to, e.g. 0-1 or "
+                   "0,1 (VLLM_CPU_OMP_THREADS_BIND; Infinity gets the same affinity); "
+                   "default: all cores this process may use")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    a = p.parse_args(argv)
+    a.peer_list = _subset(p, a.peers, ALL_PEERS, "--peers")
+    a.workload_list = _subset(p, a.workloads, ALL_WORKLOADS, "--workloads")
+    a.repeats = a.repeats or (1 if a.quick else 3)
+    for name in ("repeats", "concurrency", "batch"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+    try:
+        a.core_list = parse_cores(a.cores) if a.cores else sorted(os.sched_getaffinity(0))
+    except ValueError as err:
+        p.error(str(err))
+    return a
+
+
+def _subset(p: argparse.ArgumentParser, value: str, allowed: tuple[str, ...], flag: str
+            ) -> list[str]:
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        p.error(f"{flag}: unknown {bad or 'empty list'}; choose from {', '.join(allowed)}")
+    return [x for x in allowed if x in items]  # canonical order, no duplicates
+
+
+def parse_cores(spec: str) -> list[int]:
+    """``0-3``, ``0,2`` or ``0-1,4`` -> sorted core ids."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"--cores: cannot read {spec!r} (use e.g. 0-1 or 0,1)")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cores)
+
+
+def machine_info(cores: list[int]) -> dict[str, Any]:
+    import psutil
+    import torch
+    import vllm
+
+    from benchmarks.embedfleet_peer import ray_ports_taken
+    from benchmarks.peers import infinity_version
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
+                if ln.startswith("model name")), platform.processor())
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=ROOT).stdout.strip()
+    return {"cpu_model": cpu, "cores": os.cpu_count(), "cores_used": len(cores),
+            "core_ids": cores, "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "vllm": vllm.__version__, "torch": torch.__version__,
+            "infinity": infinity_version(), "git_commit": git or None,
+            "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+            # another Ray cluster on the machine competes for the same cores: note it
+            "ray_head_ports_in_use": ray_ports_taken()}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def make_peers(args: argparse.Namespace, cfg: Any, out: Path) -> list[Any]:
+    from benchmarks.embedfleet_peer import EmbedfleetPeer
+    from benchmarks.peers import InfinityPeer, VllmInProcessPeer, VllmServePeer
+
+    m = cfg.models[0]
+    # Exactly what benchmarks/throughput.py run_vllm does; MiniLM is bidirectional, so
+    # embedfleet's prefix-cache policy turns the cache off for it too.
+    kw = cfg.engine_kwargs(m, enable_prefix_caching=False)
+    make = {
+        "vllm": lambda: VllmInProcessPeer("vllm", kw, m.long_input),
+        "vllm-serve": lambda: VllmServePeer(kw, args.concurrency, out, args.core_list),
+        "infinity": lambda: InfinityPeer(kw, args.concurrency, out, args.core_list),
+        "embedfleet": lambda: EmbedfleetPeer(args.embedfleet_url,
+                                             args.embedfleet_model or m.name, args.concurrency,
+                                             cfg, out, args.core_list),
+    }
+    return [make[name]() for name in args.peer_list]
+
+
+async def start_peers(peers: list[Any], console: Any) -> dict[str, dict[str, Any]]:
+    """Start every peer at once (their start-ups overlap; nothing is timed yet). Each gets a
+    status: ok, skipped (cannot run here, with what to do) or failed (with the error)."""
+    from benchmarks.peers import PeerUnavailable
+
+    async def one(p: Any) -> dict[str, Any]:
+        t0 = time.monotonic()
+        try:
+            await p.start()
+        except PeerUnavailable as exc:
+            console.print(f"[yellow]{p.name}: skipped: {exc}[/yellow]")
+            return {"status": "skipped", "reason": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - one broken peer must not hide the others
+            console.print(f"[red]{p.name}: failed to start: {exc}[/red]")
+            return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[-2000:],
+                    "traceback": traceback.format_exc()[-3000:]}
+        console.print(f"{p.name}: up in {time.monotonic() - t0:.0f} s")
+        return {"status": "ok", "startup_s": round(time.monotonic() - t0, 1)}
+
+    # Subprocess peers launch first; the in-process engine is built last because building it
+    # blocks the event loop for its whole start-up (the others keep starting meanwhile).
+    tasks = {p.name: asyncio.ensure_future(one(p)) for p in peers if p.name != "vllm"}
+    await asyncio.sleep(0.1)
+    status = {p.name: await one(p) for p in peers if p.name == "vllm"}
+    for name, t in tasks.items():
+        status[name] = await t
+    return status
+
+
+async def compare_peers(args: argparse.Namespace, peers: list[Any],
+                        workloads: dict[str, Workload], tokens: dict[str, int], progress: Any,
+                        overall: Any) -> tuple[list, list, dict]:
+    runs: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    probes: dict[str, dict[str, list[Any]]] = {}
+    sizes = QUICK if args.quick else FULL
+    for rep in range(args.repeats):
+        for w in workloads.values():
+            order = peers[rep % len(peers):] + peers[:rep % len(peers)] if peers else []
+            for p in order:
+                if reason := p.skip_reason(w):
+                    if rep == 0:
+                        skipped.append({"workload": w.name, "peer": p.name, "reason": reason})
+                    progress.advance(overall)
+                    continue
+                reqs = -(-len(w.texts) // batch_size(w, args.batch))
+                task = progress.add_task(f"{w.name} · {p.name} · repeat {rep + 1}", total=reqs)
+                try:
+                    await warm_up(p, w, args.batch, sizes.warmup_requests if rep == 0 else 1,
+                                  args.concurrency)
+                except Exception as exc:  # noqa: BLE001 - recorded as this run's error
+                    runs.append(rpt.run_record(
+                        repeat=rep, workload=w.name, peer=p.name, latencies=[], seconds=0,
+                        texts=len(w.texts), tokens=tokens[w.name],
+                        error=f"warm-up: {describe_error(exc)}"))
+                else:
+                    runs.append(await timed_run(
+                        p, w, repeat=rep, tokens=tokens[w.name], batch=args.batch,
+                        concurrency=args.concurrency, on_done=lambda t=task: progress.advance(t)))
+                    if rep == 0 and runs[-1]["error"] is None:
+                        probes.setdefault(w.name, {})[p.name] = await _probe(p, w)
+                r = runs[-1]
+                progress.console.print(
+                    f"  {w.name:<18} {p.name:<10} #{rep + 1}: "
+                    + (f"{r['texts_per_s']:8.1f} texts/s  p50 {r['p50_ms']:8.1f} ms"
+                       if r["error"] is None else f"[red]{r['error']}[/red]"))
+                progress.remove_task(task)
+                progress.advance(overall)
+    return runs, skipped, probes
+
+
+async def _probe(peer: Any, w: Workload) -> list[Any] | str:
+    """The probe texts' vectors, or the error text (reported as a failed correctness check)."""
+    try:
+        return await peer.embed(w.probe, w)
+    except Exception as exc:  # noqa: BLE001
+        return f"probe request failed: {describe_error(exc)}"
+
+
+def workload_info(w: Workload, tokens: int, lengths: list[int], batch: int) -> dict[str, Any]:
+    lengths = sorted(lengths)
+    return {"description": w.description, "texts": len(w.texts), "tokens": tokens,
+            "tokens_min": lengths[0], "tokens_median": lengths[len(lengths) // 2],
+            "tokens_max": lengths[-1], "seed": w.seed, "texts_per_request": batch_size(w, batch),
+            "warmup_texts": len(w.warmup), "probe_texts": len(w.probe),
+            "chunked": w.chunked, "params": w.params}
+
+
+async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, Any]:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+    from transformers import AutoTokenizer
+
+    from benchmarks.embedfleet_peer import bench_config
+    from benchmarks.prefix_cache_bench import run_prefix_cache
+    from deployments.config import load_config
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    machine = machine_info(args.core_list)  # before the run: the load average says how idle
+    sizes = QUICK if args.quick else FULL
+    cfg = bench_config(load_config(None), args.embedfleet_url)
+    m = cfg.models[0]
+    model_path = m.source.resolve()
+    max_len = m.max_model_len or 512
+    tok = AutoTokenizer.from_pretrained(model_path)
+    tok.model_max_length = 1 << 30  # count long documents whole; never truncate here
+    workloads: dict[str, Workload] = {}
+    tokens: dict[str, int] = {}
+    winfo: dict[str, Any] = {}
+    for name in (n for n in args.workload_list if n in NAMES):
+        w = build(name, sizes, max_len=max_len, batch=args.batch, seed=args.seed)
+        lengths = [len(i) for i in tok(w.texts, add_special_tokens=True)["input_ids"]]
+        if not w.chunked and max(lengths) > max_len:
+            raise RuntimeError(f"workload {name}: a text has {max(lengths)} tokens > {max_len}")
+        workloads[name], tokens[name] = w, sum(lengths)
+        winfo[name] = workload_info(w, tokens[name], lengths, args.batch)
+    peers = make_peers(args, cfg, out) if workloads else []
+    do_pc = "prefix-cache" in args.workload_list
+    pc_possible = "vllm" in args.peer_list
+    total = args.repeats * (len(workloads) * len(peers) + (2 if do_pc and pc_possible else 0))
+    peer_status: dict[str, dict[str, Any]] = {}
+    runs: list = []
+    skipped: list = []
+    probes: dict = {}
+    prefix_cache = None
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        overall = progress.add_task("[bold]all runs", total=total)
+        try:
+            if peers:
+                peer_status = await start_peers(peers, progress.console)
+                active = [p for p in peers if peer_status[p.name]["status"] == "ok"]
+                progress.update(overall, total=total - args.repeats * len(workloads)
+                                * (len(peers) - len(active)))
+                runs, skipped, probes = await compare_peers(args, active, workloads, tokens,
+                                                            progress, overall)
+        finally:
+            for p in peers:
+                try:
+                    peer_status.setdefault(p.name, {"status": "failed", "reason": "interrupted"})
+                    peer_status[p.name]["info"] = p.describe()
+                    await p.stop()
+                except Exception as exc:  # noqa: BLE001 - stop the others regardless
+                    progress.console.print(f"[red]{p.name}: stop failed: {exc}[/red]")
+        if do_pc and pc_possible:
+            prefix_cache = await run_prefix_cache(
+                sizes=sizes, repeats=args.repeats, batch=args.batch,
+                concurrency=args.concurrency, seed=args.seed, progress=progress, overall=overall)
+        elif do_pc:
+            prefix_cache = {"status": "skipped", "summary": None,
+                            "reason": "the prefix-cache comparison runs in bare vLLM: add "
+                                      "`vllm` to --peers"}
+    peer_status = {name: peer_status.get(name, {"status": "skipped",
+                                                "reason": "no workload for it"})
+                   for name in args.peer_list}
+    settings = {"quick": args.quick, "repeats": args.repeats, "concurrency": args.concurrency,
+                "batch": args.batch, "peers": args.peer_list, "workloads": args.workload_list,
+                "cores": args.core_list, "seed": args.seed,
+                "warmup_requests": sizes.warmup_requests, "probe_texts": sizes.probe_texts,
+                "encoding_format": "base64", "order": "per repeat: per workload: each peer in "
+                "turn, the order rotated by one each repeat",
+                "model": m.name, "model_path": model_path, "max_model_len": max_len,
+                "long_input_policy": m.long_input.model_copy(update={"mode": "chunk"})
+                .model_dump(),
+                "embedfleet_url": args.embedfleet_url}
+    return rpt.build_report(
+        command=sys.argv, started_at=started, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        machine=machine, settings=settings, workloads=winfo,
+        peers=peer_status, runs=runs, skipped=skipped, probes=probes, prefix_cache=prefix_cache)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Before vLLM is imported anywhere: offline, quieter logs (the progress display stays
+    # readable), and the same core binding for the in-process engines and every child process.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from benchmarks.peers import cpu_env
+
+    os.environ.update(cpu_env(args.core_list))
+    from rich.console import Console
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # "sequence longer than 512" for long documents: intended
+    # Not a terminal (make test, a log file): rich would wrap the table at 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=180)
+    out = args.out or RESULTS / f"bench-{time.strftime('%Y%m%dT%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    report = asyncio.run(run(args, out, console))
+    report["settings"]["wall_s"] = round(time.monotonic() - t0, 1)
+    problems = rpt.check_schema(report)
+    if problems:
+        raise AssertionError(f"report does not match its schema: {problems}")
+    rpt.write_json(report, out / "report.json")
+    rpt.write_chart(report, out / "chart.png")
+    console.print(rpt.summary_table(report))
+    for line in rpt.closing_lines(report):
+        console.print(line)
+    console.print(f"wrote {out / 'report.json'} and {out / 'chart.png'} "
+                  f"({report['settings']['wall_s']:.0f} s)")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

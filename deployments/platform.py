@@ -26,6 +26,7 @@ class CardIdentity:
     node: str
     node_ip: str
     device: str  # the card id(s) Ray assigned, as in the visible-devices variable
+    cards_on_node: int = 1  # the node's total of the card resource (CPU cards split its cores)
 
     @property
     def label(self) -> str:
@@ -40,8 +41,10 @@ def card_identity(resource: str) -> CardIdentity:
     device = ",".join(str(i) for i in ids) or os.environ.get(VISIBLE_DEVICES_ENV.get(resource, ""), "")
     node_id = ctx.get_node_id()
     ip = ray.util.get_node_ip_address()
-    name = next((n.get("NodeName") for n in ray.nodes() if n.get("NodeID") == node_id), None)
-    return CardIdentity(node_id=node_id, node=name or ip, node_ip=ip, device=device or "none")
+    node = next((n for n in ray.nodes() if n.get("NodeID") == node_id), {})
+    return CardIdentity(node_id=node_id, node=node.get("NodeName") or ip, node_ip=ip,
+                        device=device or "none",
+                        cards_on_node=int(node.get("Resources", {}).get(resource, 1)))
 
 
 def cpu_cores_for_card(device: str, cards_on_node: int, cores: list[int]) -> list[int]:
@@ -71,16 +74,6 @@ def prepare_cpu_process(device: str, cards_on_node: int) -> str:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     return binding
-
-
-def cards_on_this_node(resource: str) -> int:
-    import ray
-
-    node_id = ray.get_runtime_context().get_node_id()
-    for node in ray.nodes():
-        if node.get("NodeID") == node_id:
-            return int(node.get("Resources", {}).get(resource, 1))
-    return 1
 
 
 def platform_facts(kind: str):

@@ -27,7 +27,6 @@ from deployments.protocol_tei import tokenize_tei
 from deployments.model_facts import read_model_facts
 from deployments.platform import (
     card_identity,
-    cards_on_this_node,
     platform_facts,
     prepare_cpu_process,
 )
@@ -101,7 +100,7 @@ class EngineReplica:
 
             logger.info("Ascend start-up checks passed: %s", assert_ascend_ready())
         if self.cfg.platform.kind == "cpu":
-            binding = prepare_cpu_process(self.card.device, cards_on_this_node(resource))
+            binding = prepare_cpu_process(self.card.device, self.card.cards_on_node)
             logger.info("CPU card %s: vLLM threads bound to cores %s", self.card.device, binding)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download weights at run time
         self._registry = registry

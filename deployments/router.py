@@ -161,10 +161,6 @@ class Router:
             logger.warning("FleetRegistry snapshot failed: %r", exc)
             return {}
 
-    async def _ready_replicas(self, model: str) -> int:
-        snap = await self._snapshot()
-        return sum(1 for r in snap.get(model, []) if r.get("ready"))
-
     async def _waiting_reasons(self) -> dict[str, str]:
         """{model: why replicas wait for a card}, from Ray's state API (off the event loop)."""
         deployments = {engine_deployment_name(m.name): m.name for m in self.cfg.models}
@@ -215,7 +211,7 @@ class Router:
                                 f"attempts ({last})", retry_after_s=retry_after)
 
     async def _has_ready(self, model: str) -> bool:
-        return await self._ready_replicas(model) > 0
+        return any(r.get("ready") for r in (await self._snapshot()).get(model, []))
 
     async def _embed(self, model: str, inputs: list, request_id: str, **call_args: Any
                      ) -> tuple[list[np.ndarray], int, int, dict[str, str], list[dict]]:

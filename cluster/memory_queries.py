@@ -1,10 +1,13 @@
 """PromQL for "card memory ratio per (node, device)", and a small client that runs it.
 
 Why presets: the governor reads card memory through one PromQL query for all cards, and where
-that memory comes from depends on the site — embedfleet's own replica metrics (every platform),
-Huawei's npu-exporter on Ascend nodes, or NVIDIA's DCGM exporter. Every preset returns the same
-shape, one series per card labelled ``node`` and ``device`` whose value is used/total, so the
-governor never needs to know which exporter it is reading.
+the device's used and total come from depends on the site — embedfleet's own replica metrics
+(every platform), Huawei's npu-exporter on Ascend nodes, or NVIDIA's DCGM exporter. Every preset
+returns the same shape, one series per card labelled ``node`` and ``device`` whose value is the
+*live* ratio (``monitoring.queries.live_ratio``): device used minus the free part of the engine's
+KV pool and the allocator's idle cache, over the card minus the free KV pool. The two engine
+terms always come from the replicas (vLLM's scheduler statistics and the worker's allocator), so
+a raw exporter reading, saturated by vLLM's reservation, never reaches the governor.
 
 Each preset is two queries: ``ratio``, and ``sample_time`` — the timestamp of the sample the ratio
 came from. An instant query stamps every result with the *evaluation* time, which would hide a
@@ -15,12 +18,13 @@ for 5 minutes); ``timestamp()`` of the raw series tells the governor how old the
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, get_args
 
 import httpx
 
-from monitoring.queries import CARD_MEMORY_RATIO
+from monitoring.queries import CARD_MEMORY_RATIO, live_ratio, per_card
 
 # --- the presets ------------------------------------------------------------------------------
 
@@ -43,8 +47,11 @@ class CardMemoryQuery:
     """Value: unix seconds of the underlying sample. None: use the evaluation time."""
 
 
-def _with_card_labels(expr: str, node_label: str, device_label: str) -> str:
-    """Copy the exporter's own node and device labels to ``node`` and ``device``."""
+def _with_card_labels(expr: str, node_label: str, device_label: str,
+                      aliases: dict[str, str] | None = None) -> str:
+    """Copy the exporter's own node and device labels to ``node`` and ``device``; then rename
+    nodes by ``aliases`` (exporter name → the node name replicas report), inside the query,
+    because the replicas' KV terms are joined on ``node`` there."""
     out = expr
     if device_label != "device":
         out = f'label_replace({out}, "device", "$1", "{device_label}", "(.*)")'
@@ -54,41 +61,50 @@ def _with_card_labels(expr: str, node_label: str, device_label: str) -> str:
         out = f'label_replace({out}, "node", "$1", "instance", "(.*?)(?::[0-9]+)?")'
     elif node_label != "node":
         out = f'label_replace({out}, "node", "$1", "{node_label}", "(.*)")'
+    for name, node in sorted((aliases or {}).items()):
+        # A PromQL string literal: the regex's backslashes are escaped once more.
+        pattern = re.escape(name).replace("\\", "\\\\")
+        out = f'label_replace({out}, "node", "{node}", "node", "{pattern}")'
     return out
 
 
-def exporter_query(name: str, used: str, total: str, *, node_label: str,
-                   device_label: str) -> CardMemoryQuery:
-    """A preset over an exporter's used and total gauges (same unit, same label sets)."""
-    # ``(total > 0)``: a card reporting no capacity yields no series (missing → held stale)
-    # rather than +Inf, which the law would read as pressure.
-    ratio = _with_card_labels(f"{used} / ({total} > 0)", node_label, device_label)
-    when = _with_card_labels(f"timestamp({used})", node_label, device_label)
-    # Several series per card (two Prometheus jobs scraping one exporter, pod labels): the
-    # highest ratio and the oldest sample are the cautious readings.
-    return CardMemoryQuery(name=name,
-                           ratio=f"max by (node, device) ({ratio})",
+def exporter_query(name: str, used: str, total: str, *, unit_bytes: int, node_label: str,
+                   device_label: str, aliases: dict[str, str] | None = None) -> CardMemoryQuery:
+    """A preset over an exporter's used and total gauges (same unit, same label sets).
+
+    Several series per card (two Prometheus jobs scraping one exporter, pod labels): the highest
+    reading and the oldest sample are the cautious ones."""
+    def as_bytes(expr: str) -> str:
+        return per_card(_with_card_labels(f"{expr} * {unit_bytes}", node_label, device_label,
+                                          aliases))
+
+    when = _with_card_labels(f"timestamp({used})", node_label, device_label, aliases)
+    return CardMemoryQuery(name=name, ratio=live_ratio(as_bytes(used), as_bytes(total)),
                            sample_time=f"min by (node, device) ({when})")
 
 
-def npu_exporter_query(node_label: str = "node", device_label: str = "id") -> CardMemoryQuery:
-    """Huawei npu-exporter (Ascend): HBM used / total, both in MB.
+def npu_exporter_query(node_label: str = "node", device_label: str = "id",
+                       aliases: dict[str, str] | None = None) -> CardMemoryQuery:
+    """Huawei npu-exporter (Ascend): HBM used and total (MB), with the replicas' engine terms.
 
-    npu-exporter labels chips with ``id`` (the physical device id) and has no node label: the
+    npu-exporter labels chips with ``id`` (the host's chip id; replicas report the same, see
+    ``deployments.platform.host_chip_ids``) and has no node label: the
     scrape config must attach one (``node`` by default, e.g. a static target label or a relabel
     from ``__meta_kubernetes_pod_node_name``), or pass ``node_label="instance"`` to use the
     scrape target's host.
     """
+    # npu-exporter's HBM gauges are in MB as npu-smi reports them (MiB).
     return exporter_query("npu-exporter", "npu_chip_info_hbm_used_memory",
-                          "npu_chip_info_hbm_total_memory",
-                          node_label=node_label, device_label=device_label)
+                          "npu_chip_info_hbm_total_memory", unit_bytes=1 << 20,
+                          node_label=node_label, device_label=device_label, aliases=aliases)
 
 
-def dcgm_query(node_label: str = "Hostname", device_label: str = "gpu") -> CardMemoryQuery:
+def dcgm_query(node_label: str = "Hostname", device_label: str = "gpu",
+               aliases: dict[str, str] | None = None) -> CardMemoryQuery:
     """NVIDIA DCGM exporter: framebuffer used / (used + free), MiB."""
     return exporter_query("dcgm", "DCGM_FI_DEV_FB_USED",
-                          "(DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE)",
-                          node_label=node_label, device_label=device_label)
+                          "(DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE)", unit_bytes=1 << 20,
+                          node_label=node_label, device_label=device_label, aliases=aliases)
 
 
 PRESETS: dict[PresetName, CardMemoryQuery] = {

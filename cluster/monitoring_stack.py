@@ -8,6 +8,8 @@ the state dir, so `embedfleet down` (another process) can stop it.
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import yaml
 
@@ -46,10 +48,13 @@ def start_monitoring(cfg: EmbedfleetConfig) -> str | None:
         data["global"]["scrape_interval"] = f"{cfg.monitoring.scrape_interval_s}s"
         data["global"]["evaluation_interval"] = f"{cfg.monitoring.scrape_interval_s}s"
         text = yaml.safe_dump(data, sort_keys=False)
-    try:
-        running = httpx.get(f"{url}/-/ready", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        running = False
+    running = False
+    for _ in range(3):  # a Prometheus busy replaying its WAL or under load answers slowly
+        try:
+            running = httpx.get(f"{url}/-/ready", timeout=3).status_code == 200
+            break
+        except httpx.HTTPError:
+            time.sleep(1)
     if running:  # ours from an earlier `up`: give it this config (lifecycle API is enabled)
         config_file = _data_dir() / CONFIG_NAME
         if not config_file.exists() or config_file.read_text() != text:

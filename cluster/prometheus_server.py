@@ -176,24 +176,41 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"  # state follows "(comm)"; comm may hold ")"
 
 
+def _ours(pid: int, root: Path) -> bool:
+    """A prometheus process using ``root``'s TSDB (so never an unrelated reused pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return (any(os.path.basename(a) == b"prometheus" for a in cmdline[:1])
+            and f"--storage.tsdb.path={root / 'tsdb'}".encode() in cmdline)
+
+
+def _find_ours(root: Path) -> int | None:
+    """The pid of a Prometheus on ``root`` whose pid file is gone: a failed second start (port
+    taken by the first) removes the file the first one wrote."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _ours(int(entry), root) and _alive(int(entry)):
+            return int(entry)
+    return None
+
+
 def stop_from_pidfile(data_dir: str | os.PathLike, timeout: float = 10.0) -> bool:
     """Stop a Prometheus started (detached) by another process with this ``data_dir``.
 
-    Returns False when none is running. The pid is only signalled if its command line is a
+    Returns False when none is running. A pid is only signalled if its command line is a
     prometheus using this data dir: a stale pid file must not kill an unrelated process that
-    reused the number.
+    reused the number. Without a (valid) pid file, the process is found by that command line.
     """
     root = Path(data_dir).resolve()
     pid_path = root / PID_NAME
     try:
-        pid = int(pid_path.read_text().strip())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        pid: int | None = int(pid_path.read_text().strip())
     except (OSError, ValueError):
-        pid_path.unlink(missing_ok=True)
-        return False
-    ours = (any(os.path.basename(a) == b"prometheus" for a in cmdline[:1])
-            and f"--storage.tsdb.path={root / 'tsdb'}".encode() in cmdline)
-    if not ours:
+        pid = None
+    if pid is None or not _ours(pid, root):
+        pid = _find_ours(root)
+    if pid is None:
         pid_path.unlink(missing_ok=True)
         return False
     os.kill(pid, signal.SIGTERM)

@@ -37,6 +37,8 @@ DEFAULT_CONFIG_PATH = CONFIG_DIR / "local-cpu.yaml"
 
 # vLLM's CPU attention backend only accepts KV blocks in multiples of 32 tokens.
 CPU_BLOCK_MULTIPLE = 32
+# CPU engines need a fixed KV size (the utilisation knob would refer to host memory).
+CPU_DEFAULT_KV_BYTES = 256 << 20
 ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 
 
@@ -127,10 +129,10 @@ class ReplicaBounds(_Strict):
         default=600, description="Load must stay below target this long before one is removed "
         "(also the idle time before scaling to zero).")
     cold_start_hold_s: PositiveFloat = Field(
-        default=600, description="min_replicas 0 only: how long the router holds a request while "
-        "the model has no ready replica (scaled to zero, or its replica waiting for a card) "
-        "before answering 503 + Retry-After. Covers an engine's cold start, so it is minutes on "
-        "910B for an 8B model.")
+        default=600, description="How long a request is held while the model has no ready "
+        "engine: scaled to zero or waiting for a card (min_replicas 0 only, at the router), or "
+        "its engine being replaced after a failed canary (at the replica), before 503 + "
+        "Retry-After. Covers an engine's cold start, so it is minutes on 910B for an 8B model.")
 
     @model_validator(mode="after")
     def _ordered(self) -> ReplicaBounds:
@@ -206,8 +208,13 @@ class PlatformProfile(_Strict):
         default=None, description="Ray resource that counts cards; None = platform default "
         "(NPU on ascend and cpu, GPU on cuda)."
     )
-    # CPU only: the engine's host-memory "card" capacity, what memory ratios are computed against.
-    cpu_card_memory_bytes: PositiveInt = 4 << 30
+    cpu_card_memory_bytes: PositiveInt = Field(
+        default=4 << 30, description="CPU only: capacity of the stand-in card, which holds the "
+        "engine's weights, KV pool and activations (deployments/card_memory.py).")
+    card_memory_bytes: PositiveInt | None = Field(
+        default=None, description="ascend/cuda: device memory of one card (a 910B: 64 GiB). "
+        "Used to refuse a config whose memory signal could never fall below the governor's "
+        "`high` at idle, and by `embedfleet doctor`; None = unknown (checked at replica start).")
 
     @property
     def card_resource(self) -> str:
@@ -243,6 +250,122 @@ class RouterConfig(_Strict):
         description="Environment variable with comma-separated API keys (read at start-up).")
 
 
+class ClusterDeployConfig(_Strict):
+    """Where the 910B cluster runs: what ``embedfleet render --kuberay`` / ``--ray-cluster``
+    (``cluster/manifests.py``) need beyond the Serve application. The ``render`` flags
+    (``--image``, ``--head-address``, ``--worker-address``, ``--node-selector``) override these.
+    Nothing here is guessed: a manifest whose image or addresses are not given is refused
+    (``render --example`` fills documentation placeholders in instead)."""
+
+    image: Annotated[str, Field(max_length=255)] | None = Field(
+        default=None, description="Container image of every Ray node (head and workers, both "
+        "renders): CANN, torch-npu, vllm-ascend and ray[serve] at the project's pins, with CANN's "
+        "set_env.sh variables in its ENV. A reference such as "
+        "swr.cn-south-1.myhuaweicloud.com/team/embedfleet-ascend:0.1.0.")
+    name: Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=47)] | None = (
+        Field(default=None, description="RayService / Ray cluster name; None = app_name. A "
+              "DNS-1035 label of at most 47 characters (KubeRay's limit: it appends -xxxxx and "
+              "-serve-svc to build service names)."))
+    namespace: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                                    max_length=63)] | None = Field(
+        default=None, description="KubeRay only: the RayService's metadata.namespace; None = "
+        "the namespace kubectl applies to.")
+    head_address: str | None = Field(
+        default=None, description="Launcher only: the head node's IP address or host name "
+        "(provider.head_ip), reachable over SSH from where `ray up` runs.")
+    worker_addresses: list[str] = Field(
+        default_factory=list, description="Launcher only: the worker nodes' IP addresses or host "
+        "names (provider.worker_ips); Ray's local provider keeps every one in the cluster.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="KubeRay only: Kubernetes node labels the worker pods "
+        "(and, unless head_node_selector says otherwise, the head pod) must match, e.g. "
+        "{accelerator: huawei-Ascend910}. Ray's cluster launcher has no selector: its nodes are "
+        "worker_addresses.")
+    head_node_selector: dict[str, str] | None = Field(
+        default=None, description="KubeRay only: node labels for the head pod, which holds no "
+        "card; None = node_selector, {} = no selector (the head may run on a node without cards).")
+    cards_per_node: Annotated[int, Field(ge=1, le=16)] | None = Field(
+        default=None, description="Cards (NPUs) each worker node advertises; None = `cards`. "
+        "Sets how many worker nodes the models' replica bounds need.")
+    ssh_user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_.-]{0,31}$")] = Field(
+        default="root", description="Launcher only: the SSH user on every node (auth.ssh_user).")
+    ssh_private_key: Annotated[str, Field(min_length=1, pattern=r"^\S+$")] = Field(
+        default="~/.ssh/id_rsa", description="Launcher only: the private key `ray up` logs in "
+        "with (auth.ssh_private_key), a path on the machine running `ray up`.")
+
+    @staticmethod
+    def _bad_host(value: str) -> str | None:
+        """Why ``value`` is not an IP address or RFC 1123 host name; None when it is one."""
+        import ipaddress
+        import re
+
+        try:
+            ipaddress.ip_address(value)
+            return None
+        except ValueError:
+            pass
+        label = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+        if len(value) <= 253 and re.fullmatch(rf"{label}(\.{label})*", value):
+            return None
+        return f"{value!r} is not an IP address or host name (no scheme, port or spaces)"
+
+    @staticmethod
+    def _bad_label(key: str, value: str) -> str | None:
+        """Why ``key: value`` is not a Kubernetes label (key: [prefix/]name); None when it is."""
+        import re
+
+        name = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
+        prefix, _, key_name = key.rpartition("/")
+        dns = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+        if not re.fullmatch(name, key_name) or (
+                "/" in key and (len(prefix) > 253 or not re.fullmatch(dns, prefix))):
+            return (f"{key!r} is not a valid Kubernetes label key: [prefix/]name, the prefix a "
+                    "lowercase DNS subdomain, the name at most 63 of A-Z a-z 0-9 - _ . starting "
+                    "and ending alphanumeric")
+        if value and not re.fullmatch(name, value):
+            return (f"{value!r} (for key {key!r}) is not a valid Kubernetes label value: at "
+                    "most 63 of A-Z a-z 0-9 - _ . starting and ending alphanumeric, or empty")
+        return None
+
+    @staticmethod
+    def _bad_image(value: str) -> str | None:
+        """Why ``value`` is not a container image reference; None when it is one."""
+        import re
+
+        component = r"[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*"
+        registry = r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?/"
+        tag = r":[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+        digest = r"@[a-z0-9]+([+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}"
+        if re.fullmatch(rf"({registry})?{component}(/{component})*({tag})?({digest})?", value):
+            return None
+        return (f"{value!r} is not a container image reference: want "
+                "[registry[:port]/]repository[:tag][@digest], repository in lowercase")
+
+    @model_validator(mode="after")
+    def _valid_values(self) -> ClusterDeployConfig:
+        problems = []
+        if self.image is not None and (why := self._bad_image(self.image)):
+            problems.append(f"image: {why}")
+        if self.head_address is not None and (why := self._bad_host(self.head_address)):
+            problems.append(f"head_address: {why}")
+        for i, host in enumerate(self.worker_addresses):
+            if why := self._bad_host(host):
+                problems.append(f"worker_addresses[{i}]: {why}")
+        repeated = sorted({h for h in self.worker_addresses if self.worker_addresses.count(h) > 1})
+        if repeated:
+            problems.append(f"worker_addresses: repeated {repeated}")
+        if self.head_address and self.head_address in self.worker_addresses:
+            problems.append(f"head_address {self.head_address!r} is also in worker_addresses: "
+                            "the head runs no engine replica, list it once, as the head")
+        for field in ("node_selector", "head_node_selector"):
+            for key, value in (getattr(self, field) or {}).items():
+                if why := self._bad_label(key, value):
+                    problems.append(f"{field}: {why}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
 class EmbedfleetConfig(_Strict):
     app_name: ModelName = "embedfleet"
     platform: PlatformProfile = PlatformProfile()
@@ -254,6 +377,9 @@ class EmbedfleetConfig(_Strict):
     router: RouterConfig = RouterConfig()
     governor: GovernorConfig = GovernorConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
+    cluster: ClusterDeployConfig | None = Field(
+        default=None, description="Where the 910B cluster runs (image, node addresses, node "
+        "selectors), for `embedfleet render --kuberay` / `--ray-cluster`; not used by `up`.")
     health_check_period_s: PositiveFloat = 10
     health_check_timeout_s: PositiveFloat = 30
 
@@ -317,11 +443,17 @@ class EmbedfleetConfig(_Strict):
             kw["max_model_len"] = m.max_model_len
         if m.engine.gpu_memory_utilization is not None:
             kw["gpu_memory_utilization"] = m.engine.gpu_memory_utilization
-        if m.engine.kv_cache_memory_bytes is not None:
-            kw["kv_cache_memory_bytes"] = m.engine.kv_cache_memory_bytes
-        elif self.platform.kind == "cpu":
-            kw["kv_cache_memory_bytes"] = 256 << 20
+        pool = self.engine_kwargs_pool_bytes(m)
+        if pool is not None:
+            kw["kv_cache_memory_bytes"] = pool
         return kw
+
+    def engine_kwargs_pool_bytes(self, m: ModelConfig) -> int | None:
+        """The KV pool's size when the config fixes it (always on CPU); None = vLLM sizes it
+        from ``gpu_memory_utilization``."""
+        if m.engine.kv_cache_memory_bytes is not None:
+            return m.engine.kv_cache_memory_bytes
+        return CPU_DEFAULT_KV_BYTES if self.platform.kind == "cpu" else None
 
 
 class ConfigError(Exception):
@@ -346,7 +478,11 @@ def parse_config(data: Any, source: str = "<dict>") -> EmbedfleetConfig:
 
 
 def load_config(path: str | Path | None = None) -> EmbedfleetConfig:
-    """Load a YAML config; ``None`` = the bundled local CPU default."""
+    """Load a YAML config; ``None`` = the bundled local CPU default.
+
+    Beyond the schema, a config whose memory signal could never fall below the governor's
+    ``high`` at idle is refused here (``signal_floor_problems``): it needs the models' weights,
+    so it runs where configs are loaded from files (the CLI), not in every replica."""
     p = Path(path) if path else DEFAULT_CONFIG_PATH
     try:
         data = yaml.safe_load(p.read_text())
@@ -354,7 +490,42 @@ def load_config(path: str | Path | None = None) -> EmbedfleetConfig:
         raise ConfigError(f"cannot read config {p}: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config {p} is not valid YAML: {err}") from None
-    return parse_config(data, str(p))
+    cfg = parse_config(data, str(p))
+    problems = signal_floor_problems(cfg)
+    if problems:
+        raise ConfigError(f"invalid embedfleet config {p}:\n" + "\n".join(
+            f"  {x}" for x in problems))
+    return cfg
+
+
+def signal_floor_problems(cfg: EmbedfleetConfig) -> list[str]:
+    """Models whose card's live memory ratio could not fall below ``governor.params.high`` at
+    idle: a governor would hold them at their floor forever (``card_memory.idle_floor``)."""
+    from deployments.card_memory import idle_floor
+    from deployments.fingerprint import weights_bytes
+
+    high = cfg.governor.params.high
+    out = []
+    for i, m in enumerate(cfg.models):
+        weights = weights_bytes(m.source)
+        if weights is None:
+            continue  # not on this machine: the replica checks its real idle reading at start
+        if cfg.platform.kind == "cpu":
+            total = cfg.platform.cpu_card_memory_bytes
+            pool = cfg.engine_kwargs_pool_bytes(m)
+        else:
+            total, pool = cfg.platform.card_memory_bytes, m.engine.kv_cache_memory_bytes
+            if total is None:
+                continue
+        floor = idle_floor(weights=weights, total=total, kv_pool=pool)
+        if floor >= high:
+            where = ("platform.cpu_card_memory_bytes" if cfg.platform.kind == "cpu"
+                     else "platform.card_memory_bytes")
+            out.append(f"models[{i}] ({m.name!r}): the live memory ratio cannot fall below "
+                       f"{floor:.3f} at idle (weights {weights} B, KV pool {pool or 0} B, "
+                       f"{where}={total}), not below governor.params.high={high}: the governor "
+                       "would hold this card's budget at its floor forever")
+    return out
 
 
 def config_to_data(cfg: EmbedfleetConfig) -> dict[str, Any]:

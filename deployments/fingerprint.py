@@ -38,3 +38,29 @@ def fingerprint_headers(*, digest: str, dtype: str, engine: str, platform: str,
         f"{HEADER_PREFIX}platform": platform,
         f"{HEADER_PREFIX}prefix-cache": "on" if prefix_cache else "off",
     }
+
+
+def safetensors_bytes(model_dir: str | Path) -> int | None:
+    """Bytes of every tensor in the folder's safetensors files (from their headers); None when
+    the folder holds none."""
+    import json
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for st in files:
+        with st.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        total += sum(end - start for name, t in header.items() if name != "__metadata__"
+                     for start, end in [t["data_offsets"]])
+    return total
+
+
+def weights_bytes(source) -> int | None:
+    """The weights' size for a config ``ModelSource``, when they are on this machine."""
+    try:
+        return safetensors_bytes(source.local_dir())
+    except Exception:  # a hub id not in the local cache, a missing package: unknown here
+        return None

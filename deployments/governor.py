@@ -30,7 +30,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -67,6 +67,9 @@ class GovernorConfig(BaseModel):
     query_timeout_s: PositiveFloat = 3.0
     """Bound on one Prometheus query (capped at ``interval_s``): a hung Prometheus must not
     stretch the control interval."""
+    peak_window_s: PositiveFloat = 15.0
+    """Replicas export the highest card reading of this many seconds (``LimitsFollower``): Ray's
+    metrics agent reports every ~10 s, so a one-interval spike must outlive a report to be seen."""
     forget_after_s: PositiveFloat = 60.0
     """A card whose replica has not pulled limits for this long is dropped: its memory series
     disappears with the replica, and keeping it would report "stale" forever."""
@@ -74,9 +77,16 @@ class GovernorConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> GovernorConfig:
-        if self.node_label is not None and self.query_preset == "embedfleet":
-            raise ValueError(f"node_label={self.node_label!r} only applies to exporter presets; "
-                             "the embedfleet preset's series already carry node")
+        if self.query_preset == "embedfleet" and (self.node_label is not None
+                                                  or self.node_aliases):
+            raise ValueError(f"node_label={self.node_label!r} / node_aliases="
+                             f"{self.node_aliases!r} only apply to exporter presets; the "
+                             "embedfleet preset's series already carry the replicas' node names")
+        if self.params.cooldown_s < self.peak_window_s:
+            raise ValueError(f"params.cooldown_s ({self.params.cooldown_s}) must be at least "
+                             f"peak_window_s ({self.peak_window_s}): replicas report the peak of "
+                             "that window, so a shorter cooldown cuts again for the spike the "
+                             "last cut already answered")
         if self.forget_after_s < 3 * self.interval_s:
             raise ValueError(f"forget_after_s ({self.forget_after_s}) must be at least 3 x "
                              f"interval_s ({self.interval_s}): replicas pull once per interval, "
@@ -84,11 +94,12 @@ class GovernorConfig(BaseModel):
         return self
 
     def card_query(self) -> CardMemoryQuery:
-        if self.node_label is None:
+        if self.node_label is None and not self.node_aliases:
             return PRESETS[self.query_preset]
         if self.query_preset == "npu-exporter":
-            return npu_exporter_query(node_label=self.node_label)
-        return dcgm_query(node_label=self.node_label)
+            return npu_exporter_query(node_label=self.node_label or "node",
+                                      aliases=self.node_aliases)
+        return dcgm_query(node_label=self.node_label or "Hostname", aliases=self.node_aliases)
 
 
 class Ceiling(BaseModel):
@@ -98,6 +109,11 @@ class Ceiling(BaseModel):
 
     max_sequences: PositiveInt
     max_tokens: PositiveInt
+
+
+ReadingSource = Callable[[], Awaitable[dict[CardKey, CardReading]]]
+"""Where the governor's per-card readings come from: Prometheus (the default), or a simulated
+card (``benchmarks/governor_sim.py``). Raises ``PrometheusUnavailable`` when it cannot answer."""
 
 
 class MetricsSink(Protocol):
@@ -141,7 +157,7 @@ class MemoryGovernor:
     def __init__(self, config: dict[str, Any],
                  governor: GovernorConfig | dict[str, Any] | None = None, *,
                  sink: MetricsSink | None = None, clock: Callable[[], float] = time.time,
-                 autostart: bool = True) -> None:
+                 autostart: bool = True, readings: ReadingSource | None = None) -> None:
         # Imported here: deployments.config imports GovernorConfig from this module.
         from deployments.config import parse_config
 
@@ -151,6 +167,7 @@ class MemoryGovernor:
         self.settings = (governor if isinstance(governor, GovernorConfig)
                          else GovernorConfig.model_validate(governor))
         self._query = self.settings.card_query()
+        self._readings = readings or self._from_prometheus
         self._sink: MetricsSink = sink or RayMetricsSink()
         self._clock = clock
         self._cards: dict[CardKey, _Card] = {}
@@ -217,12 +234,10 @@ class MemoryGovernor:
         if not self._cards:
             self._sink.set_gauge("embedfleet_governor_stale", 0, {})
             return {}
-        timeout = min(self.settings.query_timeout_s, self.settings.interval_s)
         readings: dict[CardKey, CardReading] | None = None
         why = ""
         try:
-            readings = self._aliased(await aquery_card_ratios(
-                self.settings.prometheus_url, self._query, timeout=timeout))
+            readings = await self._readings()
         except PrometheusQueryError as exc:
             why = f"Prometheus rejected the memory query: {exc}"
         except PrometheusUnavailable as exc:
@@ -250,17 +265,10 @@ class MemoryGovernor:
         self._last_tick_at = now
         return states
 
-    def _aliased(self, readings: dict[CardKey, CardReading]) -> dict[CardKey, CardReading]:
-        aliases = self.settings.node_aliases
-        if not aliases:
-            return readings
-        out: dict[CardKey, CardReading] = {}
-        for (node, device), r in readings.items():
-            key = (aliases.get(node, node), device)
-            # Two names for one node (an alias and the IP itself): the fuller reading is safer.
-            if key not in out or r.ratio > out[key].ratio:
-                out[key] = r
-        return out
+    async def _from_prometheus(self) -> dict[CardKey, CardReading]:
+        timeout = min(self.settings.query_timeout_s, self.settings.interval_s)
+        return await aquery_card_ratios(self.settings.prometheus_url, self._query,
+                                        timeout=timeout)
 
     def _forget_idle(self, now: float) -> None:
         for key in [k for k, c in self._cards.items()

@@ -348,7 +348,9 @@ class Router:
                     "max": m.replicas.max_replicas,
                     "cards": [{"node": r["node"], "device": r["device"],
                                "replica_id": r["replica_id"], "ready": r.get("ready"),
-                               "budget": r.get("budget")}
+                               "budget": r.get("budget"), "memory": r.get("memory"),
+                               "block_size": r.get("block_size"),
+                               "prefix_cache": r.get("prefix_cache")}
                               for r in replicas],
                 },
                 "prefix_cache": first.get("prefix_cache", {"enabled": None,

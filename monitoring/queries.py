@@ -23,8 +23,9 @@ REPLICAS_READY = "model:embedfleet_replica_ready:sum"
 
 # Per card (labels: node, device).
 CARD_MEMORY_RATIO = "card:embedfleet_memory:ratio"
-"""Card memory used / total, per (node, device). The memory governor runs exactly this query
-(an instant query of the recording rule) and the card-memory alert fires on it."""
+"""Live card memory pressure per (node, device) (``live_ratio``; not the engine's reservation).
+The memory governor runs exactly this query (an instant query of the recording rule) and the
+card-memory alert fires on it."""
 BUDGET_FILL_RATIO = "card:embedfleet_budget_fill:ratio"
 """In-flight / budget for the tighter of the two admission budgets (tokens, sequences)."""
 
@@ -36,3 +37,31 @@ def series(metric: str, *matchers: str) -> str:
     'ray_embedfleet_replica_ready{job="ray", model="m"}'
     """
     return f"{metric}{{{', '.join((thresholds.SELECTOR, *matchers))}}}"
+
+
+
+def per_card(expr: str) -> str:
+    """``max by (node, device)``: a replica restarted on the same card is counted once."""
+    return f"max by (node, device) ({expr})"
+
+
+def ray_gauge(metric: str) -> str:
+    """A Ray-exported gauge, its last sample within ``RAY_GAUGE_LOOKBACK`` (see thresholds)."""
+    return f"last_over_time({series(metric)}[{thresholds.RAY_GAUGE_LOOKBACK}])"
+
+
+def live_ratio(used: str, total: str) -> str:
+    """The governor's signal in PromQL, the same formula as ``card_memory.live_pressure``:
+
+        (used − allocator cache free − KV pool free) / (total − KV pool free)
+
+    ``used`` and ``total`` are per-card byte vectors labelled exactly (node, device): from the
+    replicas (the ``embedfleet`` preset) or from npu-exporter / DCGM. The KV and allocator terms
+    always come from the replicas. A card whose replica reports no KV term has no result (the
+    governor holds it stale) rather than a raw ratio saturated by vLLM's reservation."""
+    # The replica's terms (``deployments.card_memory``), exported per card.
+    kv = per_card(ray_gauge("ray_embedfleet_kv_cache_free_bytes"))
+    cache = per_card(ray_gauge("ray_embedfleet_allocator_cache_free_bytes"))
+    return (f"clamp_min(\n  {used}\n  - on (node, device) {cache}\n"
+            f"  - on (node, device) {kv},\n  0)\n"
+            f"/\n(\n  {total}\n  - on (node, device) {kv}\n  > 0)")

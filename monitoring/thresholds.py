@@ -32,7 +32,18 @@ ERROR_STATUS_REGEX = "5.."
 SCRAPE_INTERVAL = "5s"
 EVALUATION_INTERVAL = "5s"
 
+# Ray-exported gauges are read through last_over_time(...[RAY_GAUGE_LOOKBACK]): Ray's metrics agent
+# reports every ~10 s, and between reports a gauge can miss a scrape (Ray 2.55, what the Ascend
+# stack runs, clears gauges after each read; 2.60 under load was seen to miss some too). A missed
+# scrape would make the card vanish from the governor's query for that tick. 30 s covers two
+# reports plus a scrape; a replica that died drops out after it.
+RAY_GAUGE_LOOKBACK = "30s"
+
 # --- Card memory (shared with the governor) ---------------------------------------------------
+# The ratio is live pressure (``queries.live_ratio``): device used minus the free part of the KV
+# pool and the allocator's cached-but-unused memory, over capacity minus the free KV pool. Raw
+# used/total cannot be the signal: vLLM reserves gpu_memory_utilization (0.95 on the 910B
+# profile) at start-up, so it reads ~0.95 at idle and would sit above HIGH for good.
 # At or above HIGH the governor cuts a card's batch budget; at or below LOW it grows it back; in
 # between it holds. 0.90 is where the seed 910B deployment (util 0.95, 32K-token inputs) stopped
 # seeing OOMs while keeping most of its throughput; the 10-point dead band is wider than the
@@ -63,6 +74,22 @@ CANARY_FAILURE_WINDOW = "15m"
 # "Cache disabled by the canary" is a state (slower, not wrong). It waits out the restart the
 # canary itself triggers, during which old and new replicas disagree about the cache.
 PREFIX_CACHE_DISABLED_FOR = "5m"
+# An inconclusive canary saw no cache hit, so it proved nothing, while the model keeps serving
+# from the prefix cache. The replica reruns it at once a few times at start-up, then every
+# quarter of ``canary_interval_s`` (75 s with the 300 s default) while inconclusive. A cold
+# start or a busy pool evicting the probe's blocks once clears within a rerun or two; after
+# 15 m (~12 reruns without a hit) the cache is not hitting, or the canary cannot make it hit,
+# and nobody has proven the cached vectors. Warning, not critical: unproven is not wrong.
+CANARY_INCONCLUSIVE_FOR = "15m"
+# A failed engine swap (the engine without prefix caching did not start after a failed canary)
+# leaves the replica with no engine: its calls wait and then fail over while it retries a few
+# times with backoff (about 2 minutes of waits in all), after which Serve replaces it. The
+# model serves on one card fewer, so any failure pages; on a real card the likely cause is the
+# old engine's memory not yet free (vLLM will not start without gpu_memory_utilization of the
+# card free).
+# The counter lives in a replica Serve may replace, so, as for canary failures, the rule looks
+# back this far: long enough for a person to see the alert, short enough to clear.
+ENGINE_SWAP_FAILURE_WINDOW = "15m"
 
 # --- Errors and latency -----------------------------------------------------------------------
 # Embedding calls are idempotent and clients retry; past 5% server errors for 5 minutes the

@@ -43,69 +43,78 @@ def run_cli(*args: str, timeout: float = 900, check: bool = True) -> subprocess.
 
 
 def write_serve_config() -> Path:
-    """Render the e2e config the way users do, then add the test-only hook: the fault injector
-    around tiny-qwen3-faulty's engine (armed by a file)."""
+    """Render the e2e config the way users do, then add the test-only hook: tiny-qwen3-faulty's
+    engine is built on the STAND-IN card model (a second engine does not fit beside the first,
+    as on a 910B) and wrapped in the cache-hit fault injector (armed by a file). Both live under
+    tests/, so that replica gets the repository root on its PYTHONPATH."""
     import yaml
 
     from cluster.render import serve_config
     from deployments.config import load_config
-    from deployments.fault_injectors import ARM_FILE_ENV
+    from tests.support.fault_injectors import ARM_FILE_ENV
 
     cfg = load_config(E2E_CONFIG)
     data = serve_config(cfg)
     app = data["applications"][0]
-    app["args"]["engine_factories"] = {
-        FAULTY_QWEN3: "deployments.fault_injectors:corrupting_cache_hits_engine"}
+    app["args"]["engine_factories"] = {FAULTY_QWEN3: "tests.support.card_model:faulty_card_engine"}
     for dep in app["deployments"]:
         if dep["name"] == f"engine-{FAULTY_QWEN3}":
             dep["ray_actor_options"]["runtime_env"] = {
-                "env_vars": {ARM_FILE_ENV: str(FAULT_ARM_FILE)}}
+                "env_vars": {ARM_FILE_ENV: str(FAULT_ARM_FILE), "PYTHONPATH": str(ROOT)}}
     E2E_SERVE_CONFIG.write_text(yaml.safe_dump(data, sort_keys=False))
     return E2E_SERVE_CONFIG
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir() -> Path:
+def build_tiny_qwen3_model() -> Path:
     from benchmarks.tiny_qwen3 import build_tiny_qwen3
 
     return build_tiny_qwen3(ROOT / ".cache" / "models" / "tiny-qwen3")
 
 
-STANDIN_EXPORTER_PORT = 9411
-BASELINE_MEMORY_RATIO = 0.5
-
-
 @pytest.fixture(scope="session")
-def node_ip() -> str:
-    from ray.util import get_node_ip_address
-
-    return get_node_ip_address()
+def tiny_qwen3_dir() -> Path:
+    return build_tiny_qwen3_model()
 
 
-@pytest.fixture(scope="session")
-def standin_exporter(node_ip):
-    """STAND-IN npu-exporter (tests only): card memory series whose values the tests set."""
-    from monitoring.exporters.standin_npu_exporter import StandinNpuExporter
-
-    from cluster.local import local_node_name
-
-    exporter = StandinNpuExporter(port=STANDIN_EXPORTER_PORT).start()
-    for node in range(NODES):
-        for device in range(CARDS_PER_NODE):
-            exporter.set_ratio(local_node_name(node), str(device), BASELINE_MEMORY_RATIO)
-    yield exporter
-    exporter.stop()
+# The session cluster starts while the unit tests run (`embedfleet up` is minutes of engine
+# starts): pytest_collection_modifyitems launches it in the background when any `cluster` test is
+# selected, and orders every `cluster` test after the others; the fixture waits for it.
+_CLUSTER_UP: dict[str, subprocess.Popen] = {}
+# Tests that only wait on background work started early (the Ascend dry-run resolves, network
+# bound): run last, so the work overlaps the rest of the session.
+LAST = ("test_ascend_install.py::test_ascend_install_resolves",)
 
 
-@pytest.fixture(scope="session")
-def cluster(tiny_qwen3_dir, standin_exporter):
-    """A live 2-node, 6-card cluster serving tests/configs/e2e-cpu.yaml; yields the HTTP base URL."""
+def _start_cluster() -> subprocess.Popen:
     TEST_STATE.mkdir(parents=True, exist_ok=True)
     FAULT_ARM_FILE.unlink(missing_ok=True)
-    E2E_CONFIG.write_text(E2E_TEMPLATE.read_text().replace("TINY_QWEN3", str(tiny_qwen3_dir)))
+    E2E_CONFIG.write_text(E2E_TEMPLATE.read_text().replace("TINY_QWEN3",
+                                                           str(build_tiny_qwen3_model())))
     serve_file = write_serve_config()
-    proc = run_cli("up", "--detach", "--serve-config", str(serve_file), timeout=1500)
-    print(proc.stdout)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"}
+    log = open(TEST_STATE / "up.log", "w")
+    return subprocess.Popen([EMBEDFLEET, "up", "--detach", "--serve-config", str(serve_file)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, text=True)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    cluster = [i for i in items if i.get_closest_marker("cluster")]
+    last = [i for i in items if any(i.nodeid.split("/")[-1].startswith(n) for n in LAST)]
+    rest = [i for i in items if i not in cluster and i not in last]
+    items[:] = rest + cluster + last
+    if cluster and "up" not in _CLUSTER_UP:
+        _CLUSTER_UP["up"] = _start_cluster()
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_qwen3_dir):
+    """A live 2-node, 6-card cluster serving tests/configs/e2e-cpu.yaml; yields the HTTP base URL."""
+    proc = _CLUSTER_UP.get("up") or _start_cluster()
+    code = proc.wait(timeout=1800)
+    output = (TEST_STATE / "up.log").read_text()
+    print(output)
+    if code != 0:
+        raise AssertionError(f"embedfleet up exited {code}:\n{output[-6000:]}")
     yield BASE_URL
     if os.environ.get("EMBEDFLEET_TEST_KEEP_CLUSTER") != "1":
         run_cli("down", check=False, timeout=300)

@@ -1,34 +1,65 @@
-"""MemoryGovernor driven without Serve, against a REAL Prometheus.
+"""MemoryGovernor driven without Serve, against a REAL Prometheus, on the *live* signal.
+
+Cards are 64 GiB 910Bs at vLLM's 0.95 reservation: the device always reads ~0.95 used, which is
+above the governor's high mark, so a governor on raw used/total would cut every idle card. The
+signal is ``deployments.card_memory.live_pressure``; expected ratios are derived with it.
 
 The main scenario is issue 4's: two cards on one node read through the npu-exporter preset from
-the stand-in exporter; card 1 at 93 % is cut within two control steps while card 0 is untouched;
-at 70 % card 1 grows back step by step to its ceiling; with Prometheus stopped the limits are held
-and marked stale, and the reason says Prometheus. A second Prometheus loads the shipped recording
-rules and proves the embedfleet preset's ``node`` label is the node IP replicas report.
+the STAND-IN npu-exporter (device used/total) and the STAND-IN Ray metrics agent (the replicas'
+free KV pool and allocator cache); both idle cards read ~0.68 and keep their ceiling; card 1's
+KV pool fills and it is cut within two control steps while card 0 is untouched; with its pool
+free again card 1 grows back step by step to its ceiling; with Prometheus stopped the limits are
+held and marked stale, and the reason says Prometheus. A second Prometheus evaluates the
+recording rules generated from ``monitoring/prometheus/rules.py`` and proves the embedfleet
+preset's ``node`` label is the node IP replicas report, and that it too cuts on live pressure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
+from cluster.governor_law import GovernorParams
 from cluster.prometheus_server import free_port, start_prometheus
 from deployments import metrics
+from deployments.card_memory import live_pressure
 from deployments.governor import GovernorConfig, MemoryGovernor, RayMetricsSink
-from monitoring.exporters.standin_npu_exporter import StandinNpuExporter
+from monitoring.prometheus import config as prom_config
+from monitoring.prometheus import generate as prom_generate
+from monitoring.prometheus import rules
+from tests.support.standin_npu_exporter import StandinNpuExporter
+from tests.support.standin_ray_agent import StandinRayAgent
 
-ROOT = Path(__file__).resolve().parents[1]
-RECORDING_RULES = ROOT / "monitoring/prometheus/rules/embedfleet-recording.yml"
+RECORDING_RULES = prom_config.RULE_FILES[0]
+# The rules as ``python -m monitoring.generate`` writes them (test_monitoring_generated checks
+# that the checked-in file is this text).
+RECORDING_RULES_TEXT = prom_generate.dump(rules.recording_groups())
 CONFIG = {"models": [{"name": "m", "source": {"path": "/nonexistent"}}]}
 NODE = "10.0.0.1"  # the node IP a replica reports (CardIdentity.node_ip)
 CEILING = {"max_sequences": 64, "max_tokens": 8192}
 INTERVAL_S = 0.6  # just above the 500 ms scrape interval: nearly every step sees a new sample
+
+# A 64 GiB 910B serving Qwen3-Embedding-8B at gpu_memory_utilization 0.95
+# (benchmarks/governor_sim.py). npu-exporter reports MB; the replicas report bytes.
+GiB, MiB = 1 << 30, 1 << 20
+TOTAL_MB = 65536.0
+RESERVED_MB = 0.95 * TOTAL_MB
+TOTAL, RESERVED = TOTAL_MB * MiB, RESERVED_MB * MiB
+KV_POOL = int(39.7 * GiB)
+IDLE = {"kv_free": KV_POOL, "cache_free": int(4.5 * GiB)}  # pool free, profiled activations idle
+FULL = {"kv_free": KV_POOL // 50, "cache_free": GiB // 2}  # 98 % of the pool holds work
+IDLE_LIVE = live_pressure(RESERVED, TOTAL, **IDLE)
+FULL_LIVE = live_pressure(RESERVED, TOTAL, **FULL)
+PARAMS = GovernorParams()
+
+
+def test_the_910b_profile_spans_the_band():
+    """The premise: raw used/total would cut; live idle grows; live with a full pool cuts."""
+    assert RESERVED / TOTAL >= PARAMS.high
+    assert IDLE_LIVE < PARAMS.low < PARAMS.high < FULL_LIVE < 1
 
 
 class RecordingSink:
@@ -57,10 +88,10 @@ def limits(states, device: str) -> tuple[int, int]:
     return lim.max_sequences, lim.max_tokens
 
 
-def scrape_config(*jobs: tuple[str, int], rules: bool = False) -> str:
+def scrape_config(*jobs: tuple[str, int], with_rules: bool = False) -> str:
     return json.dumps({  # JSON is YAML
         "global": {"scrape_interval": "500ms", "evaluation_interval": "500ms"},
-        **({"rule_files": [RECORDING_RULES.name]} if rules else {}),
+        **({"rule_files": [RECORDING_RULES]} if with_rules else {}),
         "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
                            for job, port in jobs],
     })
@@ -69,9 +100,18 @@ def scrape_config(*jobs: tuple[str, int], rules: bool = False) -> str:
 @pytest.fixture
 def exporter():
     with StandinNpuExporter() as ex:
-        ex.set_ratio(NODE, 0, 0.50)
-        ex.set_ratio(NODE, 1, 0.50)
+        ex.set_card(NODE, 0, RESERVED_MB, TOTAL_MB)
+        ex.set_card(NODE, 1, RESERVED_MB, TOTAL_MB)
         yield ex
+
+
+@pytest.fixture
+def agent():
+    """The replicas on NODE, idle: all four terms, as a replica exports them."""
+    with StandinRayAgent() as ag:
+        for device in (0, 1):
+            ag.set_card(NODE, device, used=RESERVED, total=TOTAL, **IDLE)
+        yield ag
 
 
 async def tick_until(gov: MemoryGovernor, done, max_ticks: int, what: str):
@@ -85,12 +125,14 @@ async def tick_until(gov: MemoryGovernor, done, max_ticks: int, what: str):
 
 
 def test_pressure_on_card_1_cuts_only_card_1_recovers_step_by_step_and_holds_when_blind(
-        exporter, tmp_path):
-    prom = start_prometheus(scrape_config(("npu", exporter.port)), tmp_path, free_port())
+        exporter, agent, tmp_path):
+    prom = start_prometheus(scrape_config(("npu", exporter.port), ("ray", agent.port)), tmp_path,
+                            free_port())
     sink = RecordingSink()
     # Default law (cut ×0.5, step 1/8 of the ceiling) with a cooldown short enough for a test.
-    gov = governor(prom.url, sink, params={"cooldown_s": 2.0})
+    gov = governor(prom.url, sink, params={"cooldown_s": 2.0}, peak_window_s=2.0)
     ceiling = (CEILING["max_sequences"], CEILING["max_tokens"])
+    card1, card0 = {"node": NODE, "device": "1"}, {"node": NODE, "device": "0"}
 
     async def scenario():
         for device in ("0", "1"):
@@ -99,28 +141,43 @@ def test_pressure_on_card_1_cuts_only_card_1_recovers_step_by_step_and_holds_whe
         await tick_until(gov, lambda s: all(st.ratio is not None and not st.stale
                                             for st in s.values()), 40, "both cards read")
 
-        # 93 % on card 1: cut within two control steps; card 0 untouched.
-        exporter.set_ratio(NODE, 1, 0.93)
+        # Both cards read 0.95 on the device, above high; their KV pools are free, so the live
+        # ratio is ~0.68: a few more steps, and neither is ever cut.
+        for _ in range(3):
+            await asyncio.sleep(INTERVAL_S)
+            states = await gov.tick()
+            for device in ("0", "1"):
+                st = states[(NODE, device)]
+                assert st.ratio == pytest.approx(IDLE_LIVE) and not st.stale, st.reason
+                assert st.action != "decrease" and limits(states, device) == ceiling, st.reason
+        assert sink.get("embedfleet_governor_memory_ratio", **card1) == pytest.approx(IDLE_LIVE)
+
+        # Card 1's KV pool fills up (same device reading): cut within two control steps;
+        # card 0 untouched.
+        agent.set_card(NODE, 1, **FULL)
         for _ in range(2):
             await asyncio.sleep(INTERVAL_S)
             states = await gov.tick()
             if limits(states, "1") < ceiling:
                 break
         assert limits(states, "1") == (32, 4096), states[(NODE, "1")].reason
-        assert states[(NODE, "1")].action == "decrease" and "0.93" in states[(NODE, "1")].reason
+        st1 = states[(NODE, "1")]
+        assert st1.action == "decrease" and st1.ratio == pytest.approx(FULL_LIVE)
+        assert f"memory {st1.ratio:g} ≥ high 0.9" in st1.reason
         assert limits(states, "0") == ceiling and not states[(NODE, "0")].stale
         got = await gov.limits_for(NODE, "1", CEILING)
         assert (got["max_sequences"], got["max_tokens"], got["stale"]) == (32, 4096, False)
-        assert got["ratio"] == pytest.approx(0.93)
-        card1, card0 = {"node": NODE, "device": "1"}, {"node": NODE, "device": "0"}
+        assert got["ratio"] == pytest.approx(FULL_LIVE)
         assert sink.get("embedfleet_governor_limit_tokens", **card1) == 4096
         assert sink.get("embedfleet_governor_limit_sequences", **card1) == 32
-        assert sink.get("embedfleet_governor_memory_ratio", **card1) == pytest.approx(0.93)
+        assert sink.get("embedfleet_governor_memory_ratio", **card1) == pytest.approx(FULL_LIVE)
         assert sink.get("embedfleet_governor_limit_tokens", **card0) == 8192
+        assert sink.get("embedfleet_governor_memory_ratio", **card0) == pytest.approx(IDLE_LIVE)
         assert sink.get("embedfleet_governor_stale") == 0
 
-        # 70 %: back up by one step (8 seq / 1024 tok) per new sample, to the ceiling.
-        exporter.set_ratio(NODE, 1, 0.70)
+        # The pool drains (the device still reads 0.95): back up by one step (8 seq / 1024 tok)
+        # per new sample, to the ceiling.
+        agent.set_card(NODE, 1, **IDLE)
         seen = [(32, 4096)]
         while seen[-1] != ceiling:
             assert len(seen) < 30, f"no recovery to the ceiling: {seen}"
@@ -128,12 +185,13 @@ def test_pressure_on_card_1_cuts_only_card_1_recovers_step_by_step_and_holds_whe
             states = await gov.tick()
             if limits(states, "1") != seen[-1]:
                 seen.append(limits(states, "1"))
+                assert states[(NODE, "1")].ratio == pytest.approx(IDLE_LIVE)
             assert limits(states, "0") == ceiling
         assert seen == [(32, 4096), (40, 5120), (48, 6144), (56, 7168), (64, 8192)]
 
         # Cut again (the 2 s cooldown has passed), then stop Prometheus: the cut limits are
         # held, marked stale.
-        exporter.set_ratio(NODE, 1, 0.95)
+        agent.set_card(NODE, 1, **FULL)
         await tick_until(gov, lambda s: limits(s, "1") < ceiling, 4, "second cut")
         held_1 = await gov.limits_for(NODE, "1", CEILING)
         prom.stop()
@@ -162,62 +220,53 @@ def test_pressure_on_card_1_cuts_only_card_1_recovers_step_by_step_and_holds_whe
         prom.stop()
 
 
-class FakeRayAgent:
-    """Serves embedfleet card memory series as Ray's metrics agent would after export."""
+def test_a_card_whose_replica_stops_reporting_its_kv_term_is_held_stale(exporter, agent,
+                                                                         tmp_path):
+    # The device reading alone is vLLM's reservation: without the replica's KV term there is no
+    # live ratio, and the governor holds the card (stale) rather than cut it on a raw 0.95.
+    prom = start_prometheus(scrape_config(("npu", exporter.port), ("ray", agent.port)), tmp_path,
+                            free_port())
+    gov = governor(prom.url, RecordingSink())
 
-    def __init__(self) -> None:
-        self.cards: dict[tuple[str, str], tuple[float, float]] = {}
-        agent = self
+    async def scenario():
+        await gov.limits_for(NODE, "1", CEILING)
+        await tick_until(gov, lambda s: s[(NODE, "1")].ratio is not None, 40, "card read")
+        agent.drop(NODE, 1, "kv_free")
+        # its last KV sample ages out of the rule's last_over_time lookback (30 s), then held
+        states = await tick_until(gov, lambda s: s[(NODE, "1")].stale, 70, "card held stale")
+        st = states[(NODE, "1")]
+        assert st.action == "stale" and "no memory series" in st.reason, st.reason
+        assert limits(states, "1") == (CEILING["max_sequences"], CEILING["max_tokens"])
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                lines = []
-                for (node, device), (used, total) in sorted(agent.cards.items()):
-                    labels = f'device="{device}",node="{node}",NodeAddress="{node}"'
-                    lines += [f"ray_embedfleet_card_memory_used_bytes{{{labels}}} {used}",
-                              f"ray_embedfleet_card_memory_total_bytes{{{labels}}} {total}"]
-                body = ("\n".join(lines) + "\n").encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    try:
+        asyncio.run(scenario())
+    finally:
+        prom.stop()
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """One Prometheus for the tests that do not stop it: the stand-in npu-exporter (job "npu")
-    and a fake Ray metrics agent (job "ray") with the shipped recording rules."""
-    agent = FakeRayAgent()
-    with StandinNpuExporter() as npu:
-        prom = start_prometheus(scrape_config(("npu", npu.port), ("ray", agent.port), rules=True),
+    and the stand-in Ray metrics agent (job "ray") with the recording rules."""
+    with StandinNpuExporter() as npu, StandinRayAgent() as agent:
+        prom = start_prometheus(scrape_config(("npu", npu.port), ("ray", agent.port),
+                                              with_rules=True),
                                 tmp_path_factory.mktemp("prom"), free_port(),
-                                files={RECORDING_RULES.name: RECORDING_RULES.read_text()})
+                                files={RECORDING_RULES: RECORDING_RULES_TEXT})
         try:
             yield prom, npu, agent
         finally:
             prom.stop()
-            agent.close()
 
 
 def test_embedfleet_preset_matches_replica_node_ips_and_the_loop_runs_in_background(shared):
     prom, _, agent = shared
     # As after Ray's export: the series carry the replica's node IP in `node`; the scrape job
-    # "ray" gives them job="ray" as in the shipped scrape config, and the shipped recording rule
-    # computes card:embedfleet_memory:ratio from them.
-    agent.cards[("10.0.0.2", "3")] = (0.95e9, 1e9)
-    agent.cards[("10.0.0.2", "4")] = (0.40e9, 1e9)
+    # "ray" gives them job="ray" as in the shipped scrape config, and the recording rule
+    # computes card:embedfleet_memory:ratio (live) from the four terms. Both cards read 0.95 of
+    # the device; card 4's KV pool is free, card 3's is full.
+    agent.set_card("10.0.0.2", 3, used=RESERVED, total=TOTAL, **FULL)
+    agent.set_card("10.0.0.2", 4, used=RESERVED, total=TOTAL, **IDLE)
     sink = RecordingSink()
 
     async def scenario():
@@ -227,12 +276,19 @@ def test_embedfleet_preset_matches_replica_node_ips_and_the_loop_runs_in_backgro
         while True:
             hot = await gov.limits_for("10.0.0.2", "3", CEILING)
             cool = await gov.limits_for("10.0.0.2", "4", CEILING)
+            assert cool["max_tokens"] == CEILING["max_tokens"], cool  # raw 0.95: never cut
             if hot["max_tokens"] < CEILING["max_tokens"]:
                 break
             assert time.monotonic() < deadline, f"no cut via the embedfleet preset: {hot}"
             await asyncio.sleep(0.2)
-        assert hot["ratio"] == pytest.approx(0.95) and "0.95" in hot["reason"]
-        assert cool["max_tokens"] == CEILING["max_tokens"]
+        assert hot["ratio"] == pytest.approx(FULL_LIVE) and "≥ high 0.9" in hot["reason"]
+        assert f"memory {hot['ratio']:g}" in hot["reason"]
+        for _ in range(3):  # the loop keeps reading the idle card live, and keeps it whole
+            await asyncio.sleep(0.5)
+            cool = await gov.limits_for("10.0.0.2", "4", CEILING)
+            assert cool["max_tokens"] == CEILING["max_tokens"], cool
+            assert cool["max_sequences"] == CEILING["max_sequences"], cool
+        assert cool["ratio"] == pytest.approx(IDLE_LIVE) and not cool["stale"], cool
         snap = await gov.snapshot()
         assert snap["ticks"] >= 1 and snap["tick_errors"] == 0
         await gov.check_health()
@@ -243,15 +299,25 @@ def test_embedfleet_preset_matches_replica_node_ips_and_the_loop_runs_in_backgro
 
 
 def test_node_aliases_map_exporter_names_to_replica_ips(shared):
-    prom, npu, _ = shared
-    npu.set_ratio("gpu-host-7", 0, 0.97)
+    prom, npu, agent = shared
+    # npu-exporter names the node gpu-host-7 (the scrape config's label); the replica on it
+    # reports its IP. The alias is applied inside the query, so the replica's terms join.
+    npu.set_card("gpu-host-7", 0, RESERVED_MB, TOTAL_MB)
+    agent.set_card("10.0.0.7", 0, used=RESERVED, total=TOTAL, **IDLE)
     gov = governor(prom.url, RecordingSink(), node_aliases={"gpu-host-7": "10.0.0.7"})
+    key = ("10.0.0.7", "0")
 
     async def scenario():
-        await gov.limits_for("10.0.0.7", "0", CEILING)
-        states = await tick_until(gov, lambda s: s[("10.0.0.7", "0")].action == "decrease", 40,
+        await gov.limits_for(*key, CEILING)
+        states = await tick_until(gov, lambda s: s[key].ratio is not None and not s[key].stale,
+                                  40, "card read via alias")
+        assert states[key].ratio == pytest.approx(IDLE_LIVE)  # not the raw 0.95
+        assert states[key].action != "decrease" and states[key].limits.max_tokens == 8192
+        agent.set_card("10.0.0.7", 0, **FULL)
+        states = await tick_until(gov, lambda s: s[key].action == "decrease", 40,
                                   "cut via alias")
-        assert states[("10.0.0.7", "0")].ratio == pytest.approx(0.97)
+        assert states[key].ratio == pytest.approx(FULL_LIVE)
+        assert states[key].limits.max_tokens == 4096
 
     asyncio.run(scenario())
 
@@ -298,6 +364,9 @@ def test_governor_config_is_strict_and_maps_node_labels():
         GovernorConfig(query_preset="embedfleet", node_label="instance")
     with pytest.raises(ValueError, match="forget_after_s"):
         GovernorConfig(interval_s=30, forget_after_s=60)
+    with pytest.raises(ValueError, match=r"cooldown_s \(5.0\) must be at least "
+                                              r"peak_window_s \(15.0\)"):
+        GovernorConfig(params={"cooldown_s": 5})
     q = GovernorConfig(query_preset="npu-exporter", node_label="instance").card_query()
     assert '"instance"' in q.ratio and "npu_chip_info_hbm_used_memory" in q.ratio
     assert "DCGM_FI_DEV_FB_USED" in GovernorConfig(query_preset="dcgm").card_query().ratio

@@ -1,15 +1,25 @@
-"""Card memory presets and client against a REAL Prometheus scraping the stand-in npu-exporter.
+"""Card memory presets and client against a REAL Prometheus, under the governor's live signal.
 
-What this proves: the npu-exporter preset's PromQL, Prometheus' HTTP API and our parsing agree
-(values, node/device labels, the sample's own timestamp), failures surface as
-``PrometheusUnavailable``, and the DCGM / embedfleet presets compute the right thing (checked
-with ``promtool test rules``, which evaluates PromQL over canned series without a server).
+What this proves: the npu-exporter preset's PromQL, Prometheus' HTTP API and our parsing agree on
+the *live* ratio (``deployments.card_memory.live_pressure``: device used from the exporter, the
+free KV pool and the allocator's idle cache from the replicas through Ray), with the right
+node/device labels and the exporter sample's own timestamp; a card without its replica terms
+gives no result; failures surface as ``PrometheusUnavailable``. The DCGM / npu edge cases and
+the PromQL ``live_ratio`` itself are checked with ``promtool test rules`` (PromQL over canned
+series, no server), the latter against ``live_pressure`` point by point.
+
+Two STAND-INs serve the series Prometheus scrapes: ``tests.support.standin_npu_exporter``
+(job "npu") and ``tests.support.standin_ray_agent`` (job "ray", as Ray's service discovery
+labels the metrics agents).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
+import re
 import subprocess
 import sys
 import time
@@ -23,15 +33,53 @@ from cluster.memory_queries import (PRESET_NAMES, PRESETS, CardMemoryQuery,
                                     PrometheusQueryError, PrometheusUnavailable,
                                     aquery_card_ratios, dcgm_query, npu_exporter_query,
                                     query_card_ratios)
+from monitoring import thresholds
 from cluster.prometheus_server import (PrometheusStartError, free_port, start_prometheus,
                                        stop_from_pidfile)
-from monitoring.exporters.standin_npu_exporter import StandinNpuExporter
+from deployments.card_memory import live_pressure
+from monitoring import queries
+from monitoring.prometheus import rules
+from tests.support.standin_npu_exporter import StandinNpuExporter
+from tests.support.standin_ray_agent import SERIES, StandinRayAgent
 
 ROOT = Path(__file__).resolve().parents[1]
 NPU = PRESETS["npu-exporter"]
+# The replica's engine terms as Prometheus scrapes them (``deployments.metrics`` after Ray's
+# export); a test below checks that ``monitoring.queries.live_ratio`` reads exactly these.
+KV_FREE, CACHE_FREE = SERIES["kv_free"], SERIES["cache_free"]
 # Prometheus applies a new target list at most every 5 s, then scrapes every 1 s: 20 s is
 # generous on a loaded 2-core machine and still bounds a broken setup.
 WAIT_S = 20.0
+LOOKBACK_S = float(thresholds.RAY_GAUGE_LOOKBACK.removesuffix("s"))
+
+# A 64 GiB 910B serving Qwen3-Embedding-8B at gpu_memory_utilization 0.95, as in
+# benchmarks/governor_sim.py: npu-exporter reads the reservation, 0.95 of the card, whether the
+# card is idle or full; what changes is how much of the KV pool is free.
+GiB, MiB = 1 << 30, 1 << 20
+TOTAL_MB = 65536.0
+RESERVED_MB = 0.95 * TOTAL_MB
+KV_POOL = int(39.7 * GiB)
+IDLE = {"kv_free": KV_POOL, "cache_free": int(4.5 * GiB)}  # pool free, profiled activations idle
+FULL = {"kv_free": KV_POOL // 50, "cache_free": GiB // 2}  # 98 % of the pool holds work
+PARAMS = GovernorParams()
+# The raw value of the exporter's gauges, with the preset's node/device labels.
+RAW = ('label_replace(npu_chip_info_hbm_used_memory / npu_chip_info_hbm_total_memory, '
+       '"device", "$1", "id", "(.*)")')
+
+
+def live(used_mb: float, total_mb: float, kv_free: float, cache_free: float) -> float:
+    """What the preset must answer for exporter MB values and replica byte terms."""
+    return live_pressure(used_mb * MiB, total_mb * MiB, kv_free, cache_free)
+
+
+IDLE_LIVE = live(RESERVED_MB, TOTAL_MB, **IDLE)
+FULL_LIVE = live(RESERVED_MB, TOTAL_MB, **FULL)
+
+
+def test_the_910b_profile_spans_the_band():
+    """The premise of the tests below: raw says "cut", live idle says "grow", live full "cut"."""
+    assert RESERVED_MB / TOTAL_MB >= PARAMS.high
+    assert IDLE_LIVE < PARAMS.low < PARAMS.high < FULL_LIVE < 1
 
 
 def wait_for(fetch, done, timeout: float = WAIT_S, what: str = "condition"):
@@ -49,17 +97,28 @@ def wait_for(fetch, done, timeout: float = WAIT_S, what: str = "condition"):
 @pytest.fixture(scope="module")
 def exporter():
     with StandinNpuExporter() as ex:
-        ex.set_ratio("node-a", 0, 0.42)
-        ex.set_ratio("node-a", 1, 0.50)
+        ex.set_card("node-a", 0, RESERVED_MB, TOTAL_MB)
+        ex.set_card("node-a", 1, RESERVED_MB, TOTAL_MB)
         yield ex
 
 
 @pytest.fixture(scope="module")
-def prometheus(exporter, tmp_path_factory):
+def agent():
+    with StandinRayAgent() as ag:
+        # The replicas' own device reading differs from npu-exporter's (another sampling
+        # moment): the npu-exporter preset must take the device terms from the exporter only.
+        for device in (0, 1):
+            ag.set_card("node-a", device, used=0.5 * TOTAL_MB * MiB, total=TOTAL_MB * MiB,
+                        **IDLE)
+        yield ag
+
+
+@pytest.fixture(scope="module")
+def prometheus(exporter, agent, tmp_path_factory):
     config = json.dumps({  # JSON is YAML: no quoting surprises
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "npu",
-                            "static_configs": [{"targets": [f"127.0.0.1:{exporter.port}"]}]}],
+        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+                           for job, port in (("npu", exporter.port), ("ray", agent.port))],
     })
     handle = start_prometheus(config, tmp_path_factory.mktemp("prom"), free_port())
     try:
@@ -73,58 +132,144 @@ def ratios(prometheus, query: CardMemoryQuery | str = NPU):
     return query_card_ratios(prometheus.url, query, timeout=5.0)
 
 
+def scraped(prometheus, metric: str, node: str) -> dict:
+    """The raw series of ``metric`` for ``node`` that Prometheus holds now, by card."""
+    return ratios(prometheus, f'{metric}{{node="{node}"}}')
+
+
 # --- the npu-exporter preset through real Prometheus ------------------------------------------
 
-def test_card_at_93_percent_is_read_back_and_the_other_card_is_untouched(exporter, prometheus):
-    wait_for(lambda: ratios(prometheus), lambda r: ("node-a", "0") in r and ("node-a", "1") in r,
-             what="both cards scraped")
-    exporter.set_ratio("node-a", 1, 0.93)
+def test_a_reserved_910b_reads_live_and_a_full_kv_pool_crosses_high(exporter, agent, prometheus):
+    cards = {("node-a", "0"), ("node-a", "1")}
+    got = wait_for(lambda: ratios(prometheus), lambda r: cards <= set(r), what="both cards read")
+    raw = ratios(prometheus, RAW)
+    for card in cards:
+        # npu-exporter says 0.95 (above high, a cut); the preset answers the live value.
+        assert raw[card].ratio == pytest.approx(0.95) and raw[card].ratio >= PARAMS.high
+        assert got[card].ratio == pytest.approx(IDLE_LIVE, rel=1e-12)
+        assert got[card].ratio < PARAMS.low
+    # Card 1's KV pool fills up: same device reading, live pressure above high.
+    agent.set_card("node-a", 1, **FULL)
     got = wait_for(lambda: ratios(prometheus),
-                   lambda r: r.get(("node-a", "1"), (0,))[0] == pytest.approx(0.93),
-                   what="card 1 at 0.93")
-    assert got[("node-a", "0")].ratio == pytest.approx(0.42)
-    assert got[("node-a", "1")].ratio == pytest.approx(0.93)
+                   lambda r: r.get(("node-a", "1"), (0,))[0] == pytest.approx(FULL_LIVE),
+                   what="card 1 at its full-pool live ratio")
+    assert got[("node-a", "1")].ratio >= PARAMS.high
+    assert got[("node-a", "0")].ratio == pytest.approx(IDLE_LIVE, rel=1e-12)  # untouched
+    assert ratios(prometheus, RAW)[("node-a", "1")].ratio == pytest.approx(0.95)
     for reading in got.values():  # stamped with their scrape time, not long ago
         assert time.time() - reading.sample_ts < 10
+    agent.set_card("node-a", 1, **IDLE)
 
 
-def test_old_exporter_timestamps_come_back_and_the_law_calls_them_stale(exporter, prometheus):
+def test_a_card_without_its_replica_terms_gives_no_result(exporter, agent, prometheus):
+    exporter.set_card("node-bare", 0, RESERVED_MB, TOTAL_MB)  # no replica at all
+    exporter.set_card("node-part", 0, RESERVED_MB, TOTAL_MB)
+    agent.set_card("node-part", 0, kv_free=IDLE["kv_free"])   # no allocator term yet
+    wait_for(lambda: (ratios(prometheus, RAW), scraped(prometheus, KV_FREE,
+                                                       "node-part")),
+             lambda r: {("node-bare", "0"), ("node-part", "0")} <= set(r[0]) and r[1],
+             what="exporter and replica series scraped")
+    got = ratios(prometheus)
+    # Not a raw 0.95 (saturated by the reservation): nothing, and the governor holds it stale.
+    assert ("node-bare", "0") not in got and ("node-part", "0") not in got
+    agent.set_card("node-part", 0, cache_free=IDLE["cache_free"])
+    got = wait_for(lambda: ratios(prometheus), lambda r: ("node-part", "0") in r,
+                   what="card with both replica terms")
+    assert got[("node-part", "0")].ratio == pytest.approx(IDLE_LIVE, rel=1e-12)
+    agent.drop("node-part", 0, "kv_free")
+    # Ray-exported gauges are read through last_over_time (a missed report must not drop a card),
+    # so the card leaves once its last KV sample is older than that lookback.
+    wait_for(lambda: ratios(prometheus), lambda r: ("node-part", "0") not in r,
+             timeout=WAIT_S + LOOKBACK_S, what="card gone with its KV term")
+    assert ("node-bare", "0") not in ratios(prometheus)
+
+
+def test_old_exporter_timestamps_come_back_and_the_law_calls_them_stale(exporter, agent,
+                                                                        prometheus):
     # npu-exporter stamps samples itself; a stuck one keeps serving an old stamp. Prometheus
     # still returns the series for 5 minutes, so only the sample time reveals it.
     stamp = round(time.time() - 120, 3)
-    exporter.set_ratio("node-old", 3, 0.95, timestamp=stamp)
+    exporter.set_card("node-old", 3, RESERVED_MB, TOTAL_MB, timestamp=stamp)
+    agent.set_card("node-old", 3, **FULL)  # fresh replica terms: a cut, were the reading fresh
     got = wait_for(lambda: ratios(prometheus), lambda r: ("node-old", "3") in r,
                    what="old-stamped card")
     reading = got[("node-old", "3")]
-    assert reading.ratio == pytest.approx(0.95)
+    assert reading.ratio == pytest.approx(FULL_LIVE, rel=1e-12) and reading.ratio >= PARAMS.high
     assert reading.sample_ts == pytest.approx(stamp, abs=0.002)
     ceiling = type("Ceiling", (), {"max_sequences": 64, "max_tokens": 65536})()
-    state = step(GovernorParams(), ceiling, CardState.initial(ceiling), reading.ratio,
+    state = step(PARAMS, ceiling, CardState.initial(ceiling), reading.ratio,
                  reading.sample_ts, time.time())
     assert state.stale and state.limits.max_sequences == 64  # held, not cut
     assert "old" in state.reason
 
 
-def test_a_card_that_stops_reporting_disappears(exporter, prometheus):
-    exporter.set_ratio("node-gone", 0, 0.3)
+def test_a_card_that_stops_reporting_disappears(exporter, agent, prometheus):
+    exporter.set_card("node-gone", 0, RESERVED_MB, TOTAL_MB)
+    agent.set_card("node-gone", 0, **IDLE)
     wait_for(lambda: ratios(prometheus), lambda r: ("node-gone", "0") in r, what="card seen")
     exporter.remove("node-gone")
-    # Prometheus writes a staleness marker on the next scrape: the governor sees "no series".
+    # Prometheus writes a staleness marker on the next scrape: the governor sees "no series",
+    # even though the replica still reports its terms.
     wait_for(lambda: ratios(prometheus), lambda r: ("node-gone", "0") not in r,
              what="card gone")
+    assert scraped(prometheus, KV_FREE, "node-gone")
 
 
-def test_node_from_the_scrape_target_when_the_exporter_has_no_node_label(exporter, prometheus):
-    wait_for(lambda: ratios(prometheus), lambda r: ("node-a", "0") in r, what="scraped")
-    got = ratios(prometheus, npu_exporter_query(node_label="instance"))
-    assert ("127.0.0.1", "0") in got and not any(node.startswith("node-") for node, _ in got)
+@pytest.fixture(scope="module")
+def one_node_exporter(agent, tmp_path_factory):
+    """npu-exporter as deployed: one per node, each chip id once; and its own Prometheus, since
+    the module's stand-in serves several nodes' chips under the same ids from one target."""
+    with StandinNpuExporter() as ex:
+        config = json.dumps({
+            "global": {"scrape_interval": "1s"},
+            "scrape_configs": [{"job_name": job,
+                                "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+                               for job, port in (("npu", ex.port), ("ray", agent.port))]})
+        handle = start_prometheus(config, tmp_path_factory.mktemp("prom-one"), free_port())
+        try:
+            yield ex, handle
+        finally:
+            handle.stop()
+
+
+def test_node_from_the_scrape_target_when_the_exporter_has_no_node_label(one_node_exporter,
+                                                                         agent):
+    exporter, prometheus = one_node_exporter
+    # Whatever node label the exporter serves, node_label="instance" takes the target's host,
+    # which is the node name the replica on that host reports.
+    exporter.set_card("exporter-name", 0, RESERVED_MB, TOTAL_MB)
+    exporter.set_card("exporter-name", 7, RESERVED_MB, TOTAL_MB)
+    agent.set_card("127.0.0.1", 7, **FULL)  # chip 0's replica is not reporting
+    by_instance = npu_exporter_query(node_label="instance")
+    got = wait_for(lambda: ratios(prometheus, by_instance), lambda r: ("127.0.0.1", "7") in r,
+                   what="card by instance")
+    assert set(got) == {("127.0.0.1", "7")}
+    assert got[("127.0.0.1", "7")].ratio == pytest.approx(FULL_LIVE, rel=1e-12)
+    assert time.time() - got[("127.0.0.1", "7")].sample_ts < 10
+    assert ratios(prometheus) == {}  # the default node label joins no replica
 
 
 def test_async_client_gives_the_same_answer(prometheus):
     wait_for(lambda: ratios(prometheus), lambda r: ("node-a", "0") in r, what="scraped")
     now = time.time()
     sync = query_card_ratios(prometheus.url, NPU, at=now)
-    assert asyncio.run(aquery_card_ratios(prometheus.url, NPU, at=now)) == sync
+    assert sync and asyncio.run(aquery_card_ratios(prometheus.url, NPU, at=now)) == sync
+
+
+def test_node_aliases_join_the_replica_node_name_inside_the_query(exporter, agent, prometheus):
+    exporter.set_card("npu-host.7", 0, RESERVED_MB, TOTAL_MB)
+    # A decoy a regex "." would also rename; its higher reading would then win the max.
+    exporter.set_card("npu-hostx7", 0, TOTAL_MB, TOTAL_MB)
+    agent.set_card("10.0.0.7", 0, **FULL)  # the replica reports its node IP
+    aliased = npu_exporter_query(aliases={"npu-host.7": "10.0.0.7"})
+    got = wait_for(lambda: ratios(prometheus, aliased), lambda r: ("10.0.0.7", "0") in r,
+                   what="aliased card")
+    assert got[("10.0.0.7", "0")].ratio == pytest.approx(FULL_LIVE, rel=1e-12)
+    assert not {("npu-host.7", "0"), ("npu-hostx7", "0")} & set(got)
+    # Without the alias the exporter's name finds no replica terms: no result at all (renaming
+    # after the query, as before, could not have found any).
+    plain = ratios(prometheus)
+    assert not {("npu-host.7", "0"), ("npu-hostx7", "0"), ("10.0.0.7", "0")} & set(plain)
 
 
 # --- failures ---------------------------------------------------------------------------------
@@ -180,10 +325,14 @@ def test_bad_queries_are_query_errors(prometheus, expr, needle):
         ratios(prometheus, expr)
 
 
-# --- the other presets, with promtool -------------------------------------------------------
+# --- the presets and live_ratio, with promtool ------------------------------------------------
 
-def _promtool_test(tmp_path: Path, series: dict[str, str], checks: list[tuple[str, list]]):
-    """Evaluate each expression at 2m over ``series`` (1 m interval) and compare samples."""
+def _promtool_test(tmp_path: Path, series: dict[str, str], checks: list[tuple[str, list]],
+                   *, expect_pass: bool = True) -> str:
+    """Evaluate each expression at 2m over ``series`` (1 m interval) and compare samples.
+
+    promtool compares values exactly, so expected values are the float64 that Python computes
+    (json writes the shortest repr that reads back to the same float)."""
     test = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
         "interval": "1m",
         "input_series": [{"series": s, "values": v} for s, v in series.items()],
@@ -195,41 +344,138 @@ def _promtool_test(tmp_path: Path, series: dict[str, str], checks: list[tuple[st
     path.write_text(json.dumps(test, indent=1))
     proc = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True,
                           text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (proc.returncode == 0) == expect_pass, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def _replica(node: str, device: str | int, kv_free: int, cache_free: int, *,
+             job: str = "ray", worker: str = "w1") -> dict[str, str]:
+    """The two engine terms of one replica, as Ray exports them (bytes, three samples)."""
+    labels = (f'job="{job}", instance="{node}:46569", WorkerId="{worker}", '
+              f'node="{node}", device="{device}"')
+    return {f"{KV_FREE}{{{labels}}}": f"{kv_free}x2",
+            f"{CACHE_FREE}{{{labels}}}": f"{cache_free}x2"}
 
 
 def test_dcgm_preset(tmp_path):
     q = PRESETS["dcgm"]
+    aliased = dcgm_query(aliases={"gpu-host": "10.0.0.9"})
     gpu = 'gpu="{g}", Hostname="gpu-host", UUID="GPU-{g}", modelName="H100", job="dcgm"'
     _promtool_test(tmp_path, {
         f'DCGM_FI_DEV_FB_USED{{{gpu.format(g=0)}}}': "16384x2",
         f'DCGM_FI_DEV_FB_FREE{{{gpu.format(g=0)}}}': "49152x2",
         f'DCGM_FI_DEV_FB_USED{{{gpu.format(g=1)}}}': "75000 _ _",  # stuck since t=0
         f'DCGM_FI_DEV_FB_FREE{{{gpu.format(g=1)}}}': "5000 _ _",
+        # Replicas that report DCGM's host name as their node (ray start --node-name).
+        **_replica("gpu-host", 0, 8 * GiB, GiB),
+        **_replica("gpu-host", 1, 2 * GiB, 0),
+        # Replicas that report the node IP: only card 0 has one; reached through the alias.
+        **_replica("10.0.0.9", 0, 0, 0),
     }, [
-        (q.ratio, [('{node="gpu-host", device="0"}', 0.25),
-                   ('{node="gpu-host", device="1"}', 0.9375)]),
+        (q.ratio, [('{node="gpu-host", device="0"}',
+                    live_pressure(16384 * MiB, 65536 * MiB, 8 * GiB, GiB)),
+                   ('{node="gpu-host", device="1"}',
+                    live_pressure(75000 * MiB, 80000 * MiB, 2 * GiB, 0))]),
         (q.sample_time, [('{node="gpu-host", device="0"}', 120),
                          ('{node="gpu-host", device="1"}', 0)]),
+        # No KV pool free, no cache: the live ratio is the raw one; card 1 has no replica terms
+        # under 10.0.0.9, so no result.
+        (aliased.ratio, [('{node="10.0.0.9", device="0"}', 0.25)]),
+        (aliased.sample_time, [('{node="10.0.0.9", device="0"}', 120),
+                               ('{node="10.0.0.9", device="1"}', 0)]),
     ])
 
 
 def test_npu_preset_edge_cases(tmp_path):
     by_instance = npu_exporter_query(node_label="instance")
-    _promtool_test(tmp_path, {
-        'npu_chip_info_hbm_used_memory{id="0", instance="10.0.0.5:9101", job="a"}': "58982x2",
-        'npu_chip_info_hbm_total_memory{id="0", instance="10.0.0.5:9101", job="a"}': "65536x2",
+    npu = 'npu_chip_info_hbm_{}_memory{{id="{}", instance="{}:9101", job="{}"}}'
+    series = {
+        npu.format("used", 0, "10.0.0.5", "a"): "58982x2",
+        npu.format("total", 0, "10.0.0.5", "a"): "65536x2",
         # The same card scraped by a second job reads higher: the preset keeps the higher one.
-        'npu_chip_info_hbm_used_memory{id="0", instance="10.0.0.5:9101", job="b"}': "61000x2",
-        'npu_chip_info_hbm_total_memory{id="0", instance="10.0.0.5:9101", job="b"}': "65536x2",
-        'npu_chip_info_hbm_used_memory{id="1", instance="[fd00::7]:9101", job="a"}': "100x2",
-        'npu_chip_info_hbm_total_memory{id="1", instance="[fd00::7]:9101", job="a"}': "0x2",
-    }, [
-        # Zero capacity gives no series (held stale), not +Inf (which would read as pressure).
-        (by_instance.ratio, [('{node="10.0.0.5", device="0"}', 61000 / 65536)]),
+        npu.format("used", 0, "10.0.0.5", "b"): "61000x2",
+        npu.format("total", 0, "10.0.0.5", "b"): "65536x2",
+        # Zero capacity (and no KV pool free): no series, not +Inf (which would read as full).
+        npu.format("used", 1, "[fd00::7]", "a"): "100x2",
+        npu.format("total", 1, "[fd00::7]", "a"): "0x2",
+        # An IPv6 target keeps its brackets in the node name.
+        npu.format("used", 2, "[fd00::7]", "a"): "30000x2",
+        npu.format("total", 2, "[fd00::7]", "a"): "65536x2",
+        # Exporter series, but its replica's terms only come from another job: no result.
+        npu.format("used", 3, "10.0.0.5", "a"): "30000x2",
+        npu.format("total", 3, "10.0.0.5", "a"): "65536x2",
+        **_replica("10.0.0.5", 0, 3 * GiB, GiB // 4),
+        # A restarted replica: the old worker's terms are lower; per card, the max is kept.
+        **_replica("10.0.0.5", 0, GiB, 0, worker="w0"),
+        **_replica("[fd00::7]", 1, 0, 0),
+        **_replica("[fd00::7]", 2, 20 * GiB, 3 * GiB),
+        **_replica("10.0.0.5", 3, GiB, GiB, job="other"),
+    }
+    _promtool_test(tmp_path, series, [
+        (by_instance.ratio, [
+            ('{node="10.0.0.5", device="0"}',
+             live_pressure(61000 * MiB, 65536 * MiB, 3 * GiB, GiB // 4)),
+            ('{node="[fd00::7]", device="2"}',
+             live_pressure(30000 * MiB, 65536 * MiB, 20 * GiB, 3 * GiB))]),
         (by_instance.sample_time, [('{node="10.0.0.5", device="0"}', 120),
-                                   ('{node="[fd00::7]", device="1"}', 120)]),
+                                   ('{node="[fd00::7]", device="1"}', 120),
+                                   ('{node="[fd00::7]", device="2"}', 120),
+                                   ('{node="10.0.0.5", device="3"}', 120)]),
     ])
+
+
+def _live_points() -> list[tuple[int, int, int, int]]:
+    """(used, total, kv_free, cache_free) in bytes: the cases that matter, then random ones."""
+    total = 64 * GiB
+    reserved = int(0.95 * total)
+    points = [
+        (reserved, total, KV_POOL, int(4.5 * GiB)),   # 910B idle at 0.95 reservation
+        (reserved, total, KV_POOL // 50, GiB // 2),   # 910B with a full KV pool
+        (40 * GiB, total, 0, 3 * GiB),                # kv_free = 0, allocator cache > 0
+        (40 * GiB, total, 0, 0),                      # both 0: the raw ratio
+        (10 * GiB, total, 8 * GiB, 4 * GiB),          # cache + kv > used: clamped at 0
+        (total, total, 0, 0),                         # a card exactly full
+        (20 * GiB, 16 * GiB, 16 * GiB, 0),            # kv_free = total: no capacity, no result
+        (20 * GiB, 16 * GiB, 17 * GiB, 0),            # kv_free > total: no result
+    ]
+    rng = random.Random(910)
+    for _ in range(10):
+        t = rng.randrange(8 * GiB, 96 * GiB)
+        points.append((rng.randrange(0, t + 1), t, rng.randrange(0, t), rng.randrange(0, 8 * GiB)))
+    return points
+
+
+def test_promql_live_ratio_equals_live_pressure(tmp_path):
+    points = _live_points()
+    expected = [live_pressure(*p) for p in points]
+    assert sum(math.isfinite(e) for e in expected) >= 8
+    assert any(p[2] == 0 and p[3] > 0 for p in points)
+    assert any(p[0] - p[2] - p[3] < 0 and e == 0 for p, e in zip(points, expected))
+    assert not all(math.isfinite(e) for e in expected)
+
+    used, total = rules.MEM_USED, rules.MEM_TOTAL
+    expr = queries.live_ratio(queries.per_card(queries.series(used)),
+                              queries.per_card(queries.series(total)))
+    series: dict[str, str] = {}
+    for i, (u, t, k, c) in enumerate(points):
+        labels = f'job="ray", WorkerId="w{i}", node="n{i}", device="{i % 8}"'
+        for name, value in ((used, u), (total, t), (KV_FREE, k),
+                            (CACHE_FREE, c)):
+            series[f"{name}{{{labels}}}"] = f"{value}x2"
+    # Replicas that miss a term give no result, whatever their device reading.
+    for j, missing in enumerate((KV_FREE, CACHE_FREE)):
+        labels = f'job="ray", node="missing-{j}", device="0"'
+        for name in (used, total, KV_FREE, CACHE_FREE):
+            if name != missing:
+                series[f"{name}{{{labels}}}"] = f"{GiB}x2"
+    exp = [(f'{{node="n{i}", device="{i % 8}"}}', e)
+           for i, e in enumerate(expected) if math.isfinite(e)]
+    _promtool_test(tmp_path, series, [(expr, exp)])
+
+    # The comparison is sharp: one point off by the last bit of its float fails.
+    i, e = next((i, e) for i, e in enumerate(exp) if e[1] > 0)
+    off = exp[:i] + [(e[0], math.nextafter(e[1], 2.0))] + exp[i + 1:]
+    _promtool_test(tmp_path, series, [(expr, off)], expect_pass=False)
 
 
 def test_embedfleet_preset_reads_the_recording_rule(tmp_path):
@@ -245,7 +491,7 @@ def test_preset_names_are_the_literal():
     assert dcgm_query().ratio == PRESETS["dcgm"].ratio
 
 
-# --- the stand-in exporter itself -------------------------------------------------------------
+# --- the stand-ins themselves -----------------------------------------------------------------
 
 def test_standin_http_api_and_loud_banner():
     with StandinNpuExporter() as ex, httpx.Client(base_url=ex.url, timeout=5) as c:
@@ -268,7 +514,7 @@ def test_standin_http_api_and_loud_banner():
 
 def test_standin_runs_as_a_module():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "monitoring.exporters.standin_npu_exporter",
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.standin_npu_exporter",
                              "--port", str(port), "--card", "n0:1:0.93"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -285,6 +531,68 @@ def test_standin_runs_as_a_module():
         out, _ = proc.communicate(timeout=10)
     assert proc.returncode == 0, out
     assert "STAND-IN" in out
+
+
+def _samples(text: str) -> dict[str, dict[tuple[str, str], tuple[dict[str, str], float]]]:
+    """{metric: {(node, device): (labels, value)}} from exposition text."""
+    out: dict = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "{" not in line:
+            continue
+        name, rest = line.split("{", 1)
+        body, value = rest.rsplit("} ", 1)
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', body))
+        if "node" in labels:
+            out.setdefault(name, {})[(labels["node"], labels["device"])] = (labels, float(value))
+    return out
+
+
+def test_standin_ray_agent_serves_the_replica_terms_as_ray_exports_them():
+    # The names are the replica's gauges after Ray's export, and the ones the queries read.
+    assert (SERIES["used"], SERIES["total"]) == (rules.MEM_USED, rules.MEM_TOTAL)
+    assert KV_FREE == "ray_embedfleet_kv_cache_free_bytes"
+    assert CACHE_FREE == "ray_embedfleet_allocator_cache_free_bytes"
+    expr = queries.live_ratio("u", "t")
+    assert f"max by (node, device) ({queries.ray_gauge(KV_FREE)})" in expr
+    assert f"max by (node, device) ({queries.ray_gauge(CACHE_FREE)})" in expr
+    with StandinRayAgent() as ag, httpx.Client(base_url=ag.url, timeout=5) as c:
+        assert c.post("/set", json={"node": "10.0.0.1", "device": 2, "used": 60e9,
+                                    "total": 64e9, "kv_free": 30e9}).is_success
+        ag.set_card("10.0.0.1", 3, kv_free=0, cache_free=5, worker_id="w-old")
+        text = c.get("/metrics").text
+        got = _samples(text)
+        labels, value = got[rules.MEM_USED][("10.0.0.1", "2")]
+        assert value == 60e9 and labels["NodeAddress"] == "10.0.0.1" and labels["WorkerId"]
+        assert set(labels) == {"node", "device", "WorkerId", "NodeAddress", "Component",
+                               "SessionName", "Version"}
+        assert got[KV_FREE][("10.0.0.1", "2")][1] == 30e9
+        assert got[KV_FREE][("10.0.0.1", "3")][1] == 0
+        assert got[CACHE_FREE][("10.0.0.1", "3")][0]["WorkerId"] == "w-old"
+        # A term never set is not exported: card 2 has no allocator term, card 3 no device ones.
+        assert ("10.0.0.1", "2") not in got[CACHE_FREE]
+        assert ("10.0.0.1", "3") not in got[rules.MEM_USED]
+        help_lines = [ln for ln in text.splitlines() if ln.startswith("# HELP")]
+        assert len(help_lines) == 5 and all("STAND-IN" in ln for ln in help_lines)
+        assert 'standin_ray_agent_info{warning="STAND-IN' in text
+        # Setting one term keeps the others; dropping one term leaves the rest.
+        assert c.post("/set", json={"node": "10.0.0.1", "device": 2,
+                                    "cache_free": 1e9}).json()["kv_free"] == 30e9
+        assert c.post("/drop", json={"node": "10.0.0.1", "device": 2,
+                                     "terms": ["kv_free"]}).json()["kv_free"] is None
+        got = _samples(c.get("/metrics").text)
+        assert ("10.0.0.1", "2") not in got[KV_FREE]
+        assert got[CACHE_FREE][("10.0.0.1", "2")][1] == 1e9
+        assert got[rules.MEM_TOTAL][("10.0.0.1", "2")][1] == 64e9
+        # The caller's mistakes are 400s that say what is wrong.
+        for path, body in (("/set", {"node": "n", "device": 0, "used": -1}),
+                           ("/set", {"node": "n"}),
+                           ("/drop", {"node": "10.0.0.1", "device": 2, "terms": ["bogus"]}),
+                           ("/drop", {"node": "nope", "device": 0, "terms": ["used"]})):
+            assert c.post(path, json=body).status_code == 400, (path, body)
+        assert c.post("/remove", json={"node": "10.0.0.1", "device": "2"}).json() == {
+            "removed": 1}
+        assert [card["device"] for card in c.get("/cards").json()] == ["3"]
+        assert ag.remove() == 1 and "standin_ray_agent_info" in ag.metrics_text()
 
 
 # --- the Prometheus process helper ------------------------------------------------------------

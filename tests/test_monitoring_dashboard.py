@@ -8,6 +8,8 @@ import json
 import pytest
 import yaml
 
+from deployments.canary import VERDICTS
+from deployments.vllm_api import VLLM_METRICS
 from monitoring import lint, queries, thresholds
 from monitoring.grafana import dashboard
 
@@ -50,8 +52,15 @@ def test_lint_catches_breakage(dash, breakage, expected):
 
 
 def test_card_memory_panel_draws_the_governor_thresholds(dash):
-    panel = _panel(dash, "Card memory ratio")
+    panel = _panel(dash, "Card memory: live pressure")
     assert panel["targets"][0]["expr"] == queries.CARD_MEMORY_RATIO
+    # The governor's signal is live pressure, and the panel says so (and why not raw).
+    assert "live memory pressure" in panel["description"]
+    assert "Not raw used/total" in panel["description"]
+    # Beside the recorded ratio: the replica's own reading and what the governor read.
+    exprs = [tgt["expr"] for tgt in panel["targets"]]
+    assert any("ray_embedfleet_card_memory_live_ratio{" in e for e in exprs), exprs
+    assert any("ray_embedfleet_governor_memory_ratio{" in e for e in exprs), exprs
     defaults = panel["fieldConfig"]["defaults"]
     assert defaults["custom"]["thresholdsStyle"]["mode"] == "line"
     steps = {s["value"]: s["color"] for s in defaults["thresholds"]["steps"]}
@@ -72,6 +81,45 @@ def test_dashboard_covers_the_embedding_views(dash):
         assert name in exprs, name
 
 
+def test_card_memory_terms_panel_shows_every_term(dash):
+    panel = _panel(dash, "Card memory terms")
+    assert panel["fieldConfig"]["defaults"]["unit"] == "bytes"
+    exprs = " ".join(tgt["expr"] for tgt in panel["targets"])
+    for metric in ("card_memory_used_bytes", "card_memory_total_bytes", "kv_cache_free_bytes",
+                   "allocator_cache_free_bytes", "kv_cache_pool_bytes"):
+        assert f"max by (node, device) (ray_embedfleet_{metric}{{" in exprs, metric
+    peak = _panel(dash, "KV pool peak usage")
+    assert "ray_embedfleet_kv_cache_usage_peak{" in peak["targets"][0]["expr"]
+    assert peak["fieldConfig"]["defaults"]["unit"] == "percentunit"
+
+
+def test_engine_section_reads_vllm_metrics_for_the_selected_models(dash):
+    rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
+    assert "Engine (vLLM)" in rows
+    exprs = []
+    for title in ("vLLM KV-cache usage", "vLLM requests running / waiting",
+                  "vLLM prefix-cache hit rate"):
+        for target in _panel(dash, title)["targets"]:
+            names = {n for n in lint.metric_names(target["expr"]) if n.startswith("ray_vllm_")}
+            assert names and names <= set(VLLM_METRICS.values()), target["expr"]
+            for name in names:  # vLLM labels the model as model_name
+                assert f'{name}{{{thresholds.SELECTOR}, model_name=~"$model"}}' in target["expr"]
+            exprs.append(target["expr"])
+    assert " ".join(exprs).count("ray_vllm_") >= len(VLLM_METRICS)
+    # vLLM's KV usage reads ~0 under pooling load: the panel points at the in-step peak.
+    assert "KV pool peak usage" in _panel(dash, "vLLM KV-cache usage")["description"]
+
+
+def test_canary_verdict_stat_maps_every_verdict(dash):
+    panel = _panel(dash, "Canary verdict")
+    (mapping,) = panel["fieldConfig"]["defaults"]["mappings"]
+    texts = {opt["text"] for opt in mapping["options"].values()}
+    assert texts == set(VERDICTS)
+    expr = panel["targets"][0]["expr"]
+    for verdict in VERDICTS:
+        assert f'verdict="{verdict}"' in expr
+
+
 def test_raw_series_use_the_embedfleet_selector(dash):
     for expr in lint.dashboard_exprs(dash):
         for name in lint.metric_names(expr):
@@ -84,7 +132,7 @@ def test_model_variable_filters_model_panels(dash):
     assert model_var["includeAll"] and model_var["allValue"] == ".*"
     for panel in _panels(dash):
         for target in panel["targets"]:
-            if "{{model}}" in target["legendFormat"]:
+            if "{{model}}" in target["legendFormat"] or "{{model_name}}" in target["legendFormat"]:
                 assert '$model' in target["expr"], (panel["title"], target["expr"])
 
 

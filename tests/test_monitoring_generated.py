@@ -17,6 +17,7 @@ import yaml
 
 import monitoring
 from deployments import metrics
+from deployments.vllm_api import VLLM_METRICS
 from monitoring import generate, lint, queries, thresholds
 from monitoring.grafana import dashboard
 from monitoring.prometheus import config, rules
@@ -60,8 +61,13 @@ def test_check_mode_reports_a_stale_file(tmp_path):
     assert generate.main(["--check"]) == 0
 
 
+# vLLM's engine metrics reach Prometheus through its Ray stat logger (``ray_vllm_*``); the ones
+# embedfleet reads are listed, and checked against vLLM's sources, in ``deployments.vllm_api``.
+VLLM_NAMES = frozenset(VLLM_METRICS.values())
+
+
 def test_every_metric_used_exists(recording, alerts, dash):
-    known = metrics.EXPORTED_NAMES | lint.recorded_names(recording)
+    known = metrics.EXPORTED_NAMES | VLLM_NAMES | lint.recorded_names(recording)
     exprs = lint.rule_exprs(recording) + lint.rule_exprs(alerts) + lint.dashboard_exprs(dash)
     used = set().union(*(lint.metric_names(e) for e in exprs))
     assert len(used) > 20  # the extractor finds names at all
@@ -69,10 +75,15 @@ def test_every_metric_used_exists(recording, alerts, dash):
 
 
 def test_unknown_metric_is_reported():
-    known = metrics.EXPORTED_NAMES
+    known = metrics.EXPORTED_NAMES | VLLM_NAMES
     expr = 'sum by (model) (rate(ray_embedfleet_request_total{job="ray"}[5m])) / card:x:ratio'
     assert lint.unknown_metrics([expr], known) == {
         expr: {"ray_embedfleet_request_total", "card:x:ratio"}}
+    # A vLLM name must be one embedfleet lists (vLLM's `:` spelling is not what Ray exports).
+    vllm = ('ray_vllm_kv_cache_usage_perc{job="ray"} + ray_vllm_gpu_cache_usage_perc{job="ray"}'
+            ' + vllm:num_requests_running')
+    assert lint.unknown_metrics([vllm], known) == {
+        vllm: {"ray_vllm_gpu_cache_usage_perc", "vllm:num_requests_running"}}
     # Label values, functions, label names and Grafana variables are not metric names.
     assert lint.metric_names(
         'histogram_quantile(0.99, sum by (model, le) (rate(ray_embedfleet_engine_latency_seconds'
@@ -86,6 +97,7 @@ def test_every_metric_is_shown_somewhere(recording, alerts, dash):
     used = set().union(*(lint.metric_names(e) for e in exprs))
     unseen = [s.name for s in metrics.SPECS if not set(s.exported) & used]
     assert unseen == []
+    assert VLLM_NAMES <= used, sorted(VLLM_NAMES - used)
 
 
 def test_recording_rule_names_follow_level_metric_operation(recording):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from deployments.vllm_api import VLLM_METRICS
 from monitoring import queries as q
 from monitoring import thresholds as t
 from monitoring.queries import series
@@ -30,6 +31,8 @@ GRAFANA_DASHBOARD_DIR = "/var/lib/grafana/dashboards/embedfleet"
 # has another uid; it defaults to the provisioned one.
 DS = {"type": "prometheus", "uid": "${datasource}"}
 MODEL = 'model=~"$model"'
+# vLLM's own engine metrics carry the embedfleet model name as ``model_name``.
+MODEL_NAME = 'model_name=~"$model"'
 GRID_WIDTH = 24
 
 # Raw series (not recorded) that the dashboard reads.
@@ -80,6 +83,50 @@ def _quantile(phi: float, histogram: str, by: str = "model") -> str:
 def _sum_rate(metric: str, by: str = "model") -> str:
     return f"sum by ({by}) (rate({_raw(metric, MODEL)}{RATE}))"
 
+
+def _counted_in(metric: str, window: str, by: str = "model") -> str:
+    """How much the counter ``metric`` counted in the last ``window``, per ``by``.
+
+    Ray exports a counter only from its first increment, so ``increase`` alone misses the first
+    count of a series (no earlier sample: one failure reads 0). A series that did not exist
+    ``window`` ago counted all of its value (its highest, should its worker have died) inside
+    the window; an older one counted its increase."""
+    c = _raw(metric, MODEL)
+    return (f"sum by ({by}) (\n  (increase({c}[{window}]) and {c} offset {window})\nor\n"
+            f"  (max_over_time({c}[{window}]) unless {c} offset {window})\n)")
+
+
+def _vllm(key: str, *matchers: str) -> str:
+    """One of vLLM's engine metrics (``deployments.vllm_api.VLLM_METRICS``), for ``$model``."""
+    return series(VLLM_METRICS[key], MODEL_NAME, *matchers)
+
+
+def _per_card(metric: str) -> str:
+    return f"max by (node, device) ({_raw(metric)})"
+
+
+# The canary verdict as one number per model for a stat panel: the worst verdict any replica
+# reports (the gauge is one-hot per replica: 1 for its last verdict).
+VERDICT_CODES = {"passed": 1, "inconclusive": 2, "failed": 3}
+VERDICT_COLORS = {"passed": "green", "inconclusive": "orange", "failed": "red"}
+
+
+def _verdict_code(verdict: str) -> str:
+    gauge = _raw("canary_verdict", MODEL, f'verdict="{verdict}"')
+    return f"{gauge} * {VERDICT_CODES[verdict]}"
+
+
+CANARY_VERDICT = ("max by (model) (\n  "
+                  + "\nor\n  ".join(_verdict_code(v) for v in VERDICT_CODES) + "\n)")
+# vLLM's prefix-cache hits / lookups (tokens); 0, not absent, before a model's first hit (Ray
+# exports a counter only from its first increment).
+VLLM_PREFIX_HIT_RATE = (
+    f"(\n  sum by (model_name) (rate({_vllm('prefix_hits')}{RATE}))\nor\n"
+    f"  0 * sum by (model_name) (rate({_vllm('prefix_queries')}{RATE}))\n)\n/\n"
+    f"sum by (model_name) (rate({_vllm('prefix_queries')}{RATE}))")
+# Inconclusive canary runs in the last hour; 0 (not absent) for a model whose canary runs.
+INCONCLUSIVE_RUNS = (f"{_counted_in('canary_inconclusive_total', '1h')}\nor\n"
+                     f"0 * max by (model) ({_raw('canary_verdict', MODEL)})")
 
 CARD = "{{node}}/{{device}}"
 
@@ -138,12 +185,18 @@ SECTIONS: list[tuple[str, list[dict]]] = [
                [(_sum_rate("chunks_total"), "{{model}}")], unit="short", width=12),
     ]),
     ("Card memory and governor", [
-        _panel("timeseries", "Card memory ratio",
-               f"Used / total per card. The governor cuts budgets at {t.CARD_MEMORY_HIGH:.2f} "
+        _panel("timeseries", "Card memory: live pressure",
+               "The governor's signal per card (card:embedfleet_memory:ratio): live memory "
+               "pressure = (used − KV pool free − allocator cache free) / "
+               "(total − KV pool free). "
+               "Not raw used/total: vLLM reserves gpu_memory_utilization of the card at start-up "
+               "(0.95 on the 910B), so raw reads ~0.95 even at idle; the free part of that KV "
+               "pool is neither pressure nor room. Also the replica's own reading and what the "
+               f"governor last read. The governor cuts budgets at {t.CARD_MEMORY_HIGH:.2f} "
                f"(red line) and grows them at {t.CARD_MEMORY_LOW:.2f} (orange).",
                [(q.CARD_MEMORY_RATIO, CARD),
-                (f"max by (node, device) ({_raw('governor_memory_ratio')})",
-                 "governor read " + CARD)],
+                (_per_card("card_memory_live_ratio"), "replica read " + CARD),
+                (_per_card("governor_memory_ratio"), "governor read " + CARD)],
                unit="percentunit", min_=0, max_=1, width=12, height=9,
                thresholds=_steps(("green", None), ("orange", t.CARD_MEMORY_LOW),
                                  ("red", t.CARD_MEMORY_HIGH))),
@@ -153,12 +206,51 @@ SECTIONS: list[tuple[str, list[dict]]] = [
         _panel("timeseries", "Governor sequence limits", "Sequence budget per card.",
                [(f"max by (node, device) ({_raw('governor_limit_sequences')})", CARD)],
                width=6, height=9),
+        _panel("timeseries", "Card memory terms",
+               "The terms of the live pressure per card, as the replicas export them: device "
+               "used and total, the engine's KV pool (reserved at start-up) and its free part at "
+               "the interval's peak, and memory the allocator caches but no tensor held.",
+               [(_per_card("card_memory_used_bytes"), "used " + CARD),
+                (_per_card("kv_cache_free_bytes"), "KV pool free " + CARD),
+                (_per_card("allocator_cache_free_bytes"), "allocator cache free " + CARD),
+                (_per_card("card_memory_total_bytes"), "total " + CARD),
+                (_per_card("kv_cache_pool_bytes"), "KV pool " + CARD)],
+               unit="bytes", min_=0, width=10),
+        _panel("timeseries", "KV pool peak usage",
+               "Highest share of the engine's KV pool in use over the replica's interval, "
+               "in-step: it adds back the blocks of requests that finished in the step, which "
+               "vLLM's own KV-cache usage has already freed. KV pool free = pool × (1 − peak).",
+               [(_per_card("kv_cache_usage_peak"), CARD)],
+               unit="percentunit", min_=0, max_=1, width=8),
         _panel("stat", "Governor", "Stale: holding last limits (no fresh memory reading).",
-               [(f"max({_raw('governor_stale')})", "stale")], width=6, height=4,
+               [(f"max({_raw('governor_stale')})", "stale")], width=6, height=8,
                mappings=[{"type": "value", "options": {
                    "0": {"text": "steering", "color": "green"},
                    "1": {"text": "stale", "color": "red"}}}],
                thresholds=_steps(("green", None), ("red", 1))),
+    ]),
+    ("Engine (vLLM)", [
+        _panel("timeseries", "vLLM KV-cache usage",
+               "vLLM's own KV-cache usage per replica (vllm:kv_cache_usage_perc). vLLM samples it "
+               "after each step has freed the blocks of the requests that finished in it, and a "
+               "pooling request finishes in the step that prefills it, so under embedding load "
+               "it reads ~0. Compare with KV pool peak usage (card memory), which adds those "
+               "blocks back and is what the governor uses.",
+               [(f"max by (model_name, ReplicaId) ({_vllm('kv_cache_usage')})",
+                 "{{model_name}} {{ReplicaId}}")],
+               unit="percentunit", min_=0, max_=1),
+        _panel("timeseries", "vLLM requests running / waiting",
+               "Requests inside vLLM's scheduler, per model: running in the current step, and "
+               "waiting for a step (the replica's admission budget in front of vLLM keeps "
+               "that short).",
+               [(f"sum by (model_name) ({_vllm('running')})", "running {{model_name}}"),
+                (f"sum by (model_name) ({_vllm('waiting')})", "waiting {{model_name}}")]),
+        _panel("timeseries", "vLLM prefix-cache hit rate",
+               "Prompt tokens vLLM found in its prefix cache / tokens it looked up (vLLM's "
+               "count; 0, not empty, while a model has not hit yet). Compare with "
+               "Prefix-cache hit ratio (embedfleet's count).",
+               [(VLLM_PREFIX_HIT_RATE, "{{model_name}}")],
+               unit="percentunit", min_=0, max_=1),
     ]),
     ("Prefix cache", [
         _panel("timeseries", "Prefix-cache hit ratio", "Prompt tokens served from the cache.",
@@ -169,13 +261,32 @@ SECTIONS: list[tuple[str, list[dict]]] = [
                mappings=[{"type": "value", "options": {
                    "0": {"text": "off", "color": "orange"},
                    "1": {"text": "on", "color": "green"}}}]),
+        _panel("stat", "Canary verdict",
+               "Last canary verdict per model, the worst over its replicas. Inconclusive: the "
+               "canary saw no cache hit, so nothing is proven (never shown as passed); the "
+               "replica reruns it.",
+               [(CANARY_VERDICT, "{{model}}")],
+               mappings=[{"type": "value", "options": {
+                   str(code): {"text": verdict, "color": VERDICT_COLORS[verdict]}
+                   for verdict, code in VERDICT_CODES.items()}}]),
         _panel("stat", "Canary: lowest cosine", "Cache-hit vs cold vectors in the last canary.",
                [(f"min by (model) ({_raw('canary_last_cosine', MODEL)})", "{{model}}")],
-               decimals=6, thresholds=_steps(("red", None), ("green", t.CANARY_MIN_COSINE))),
+               decimals=6, width=6,
+               thresholds=_steps(("red", None), ("green", t.CANARY_MIN_COSINE))),
         _panel("stat", "Canary failures (1h)", "Canary runs whose vectors differed.",
-               [(f"sum by (model) (increase({_raw('canary_failures_total', MODEL)}[1h]))",
-                 "{{model}}")],
-               thresholds=_steps(("green", None), ("red", 1))),
+               [(_counted_in("canary_failures_total", "1h"), "{{model}}")],
+               width=6, decimals=0, thresholds=_steps(("green", None), ("red", 1))),
+        _panel("stat", "Canary inconclusive runs (1h)",
+               "Canary runs that saw no cache hit (proved nothing), per model; 0 for models "
+               "whose canary runs.",
+               [(INCONCLUSIVE_RUNS, "{{model}}")],
+               width=6, decimals=0, thresholds=_steps(("green", None), ("orange", 1))),
+        _panel("stat", "Engine swaps by outcome (1h)",
+               "Engine replacements after a failed canary (old engine shut down, one without "
+               "prefix caching started); failed: the new engine did not start (retried).",
+               [(_counted_in("engine_swaps_total", "1h", "model, outcome"),
+                 "{{model}} {{outcome}}")],
+               width=6, decimals=0, thresholds=_steps(("green", None), ("orange", 1))),
     ]),
     ("Replicas", [
         _panel("timeseries", "Ready replicas per model", "Replicas whose engine is up and healthy.",
@@ -215,8 +326,8 @@ def build_dashboard() -> dict:
     return {
         "uid": DASHBOARD_UID,
         "title": "embedfleet",
-        "description": "Embedding cluster: traffic, latency, batching, card memory and governor, "
-                       "prefix cache and canary, replicas.",
+        "description": "Embedding cluster: traffic, latency, batching, card memory (live "
+                       "pressure) and governor, vLLM engine, prefix cache and canary, replicas.",
         "tags": ["embedfleet", "ray-serve", "vllm"],
         "timezone": "browser",
         "editable": True,

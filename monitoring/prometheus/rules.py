@@ -34,6 +34,8 @@ BUDGET_SEQS = "ray_embedfleet_budget_sequences"
 CACHE_ENABLED = "ray_embedfleet_prefix_cache_enabled"
 CANARY_COSINE = "ray_embedfleet_canary_last_cosine"
 CANARY_FAILURES = "ray_embedfleet_canary_failures_total"
+CANARY_VERDICT = "ray_embedfleet_canary_verdict"
+ENGINE_SWAPS = "ray_embedfleet_engine_swaps_total"
 GOVERNOR_STALE = "ray_embedfleet_governor_stale"
 
 WINDOW = "5m"  # the "5m" in the recording-rule names
@@ -107,8 +109,8 @@ RECORDING_RULES: tuple[Recording, ...] = (
     # The governor queries this rule; `> 0` keeps a card that reports no capacity yet out
     # (no division by zero, no +Inf ratio that would read as "full").
     Recording(q.CARD_MEMORY_RATIO,
-              f"max by (node, device) ({series(MEM_USED)})\n"
-              f"/\nmax by (node, device) ({series(MEM_TOTAL)} > 0)"),
+              q.live_ratio(q.per_card(q.ray_gauge(MEM_USED)),
+                           q.per_card(q.ray_gauge(MEM_TOTAL)))),
     # The binding budget is whichever is fuller; the `budget` label keeps the two fills apart
     # until the max (without it `or` would drop the second).
     Recording(q.BUDGET_FILL_RATIO,
@@ -116,23 +118,34 @@ RECORDING_RULES: tuple[Recording, ...] = (
               f"or\n  {_fill(INFLIGHT_SEQS, BUDGET_SEQS, 'sequences')}\n)"),
 )
 
-_FAILED_RECENTLY = (
-    # A failure is either an increase of a counter we saw before, or a counter series that is
-    # new in the window (Ray exports a counter only from its first increment, which `increase`
-    # cannot see: it has no earlier sample).
-    f"sum by (model) (increase({series(CANARY_FAILURES)}[{t.CANARY_FAILURE_WINDOW}])) > 0\n"
-    f"or\nsum by (model) ({series(CANARY_FAILURES)} unless "
-    f"{series(CANARY_FAILURES)} offset {t.CANARY_FAILURE_WINDOW}) > 0")
+
+def _counted_recently(counter: str, window: str, *matchers: str) -> str:
+    """Per model: ``counter`` counted something in the last ``window``.
+
+    That is either an increase of a counter we saw before, or a counter series that is new in
+    the window (Ray exports a counter only from its first increment, which `increase` cannot
+    see: it has no earlier sample)."""
+    c = series(counter, *matchers)
+    return (f"sum by (model) (increase({c}[{window}])) > 0\n"
+            f"or\nsum by (model) ({c} unless {c} offset {window}) > 0")
+
+
+_FAILED_RECENTLY = _counted_recently(CANARY_FAILURES, t.CANARY_FAILURE_WINDOW)
+_SWAP_FAILED_RECENTLY = _counted_recently(ENGINE_SWAPS, t.ENGINE_SWAP_FAILURE_WINDOW,
+                                          'outcome="failed"')
+INCONCLUSIVE = 'verdict="inconclusive"'
 
 ALERTS: tuple[Alert, ...] = (
     Alert("EmbedfleetCardMemoryHigh",
           f"{q.CARD_MEMORY_RATIO} >= {t.CARD_MEMORY_HIGH}", t.CARD_MEMORY_HIGH_FOR,
           t.SEVERITY_CRITICAL,
-          f"Card {CARD} memory at {PCT}.",
-          f"Card {CARD} has used at least {t.CARD_MEMORY_HIGH:.0%} of its memory for "
-          f"{t.CARD_MEMORY_HIGH_FOR}. The memory governor cuts this card's batch budget at that "
-          "level; staying there means the cuts are not bringing memory down and the engine is "
-          "close to running out of memory."),
+          f"Card {CARD} live memory pressure at {PCT}.",
+          f"Card {CARD} has been at or above {t.CARD_MEMORY_HIGH:.0%} live memory pressure for "
+          f"{t.CARD_MEMORY_HIGH_FOR} (device used minus the free KV pool and allocator cache, "
+          "over capacity minus the free KV pool; not raw used/total, which vLLM's up-front "
+          "reservation keeps high even at idle). The memory governor cuts this card's batch "
+          "budget at that level; staying there means the cuts are not bringing memory down and "
+          "the engine is close to running out of memory."),
     Alert("EmbedfleetCanaryFailed", _FAILED_RECENTLY, None, t.SEVERITY_CRITICAL,
           f"Prefix-cache canary failed for {MODEL}.",
           f"A prefix-cache canary of {MODEL} produced cache-hit embeddings that differ from cold "
@@ -149,6 +162,22 @@ ALERTS: tuple[Alert, ...] = (
           f"{MODEL} runs without prefix caching since a canary found cache-hit embeddings that "
           "differ from cold ones. Results are correct but repeated prefixes are recomputed, so "
           "throughput is lower than planned."),
+    Alert("EmbedfleetCanaryInconclusive",
+          f"max by (model) ({series(CANARY_VERDICT, INCONCLUSIVE)}) == 1",
+          t.CANARY_INCONCLUSIVE_FOR, t.SEVERITY_WARNING,
+          f"Prefix-cache canary of {MODEL} is inconclusive.",
+          f"The last prefix-cache canary of {MODEL} has been inconclusive for "
+          f"{t.CANARY_INCONCLUSIVE_FOR}: it observed no cache hit, so nothing is proven, yet "
+          "the model keeps serving from the prefix cache. The replica reruns the canary. Check "
+          "whether the model's prefix cache hits at all (vLLM prefix-cache hit rate on the "
+          "dashboard) and the canary's detail in the replica log (a full KV pool can evict the "
+          "canary's prefix before its cache-hit pass)."),
+    Alert("EmbedfleetEngineSwapFailing", _SWAP_FAILED_RECENTLY, None, t.SEVERITY_CRITICAL,
+          f"Engine swap failing for {MODEL}.",
+          f"A replica of {MODEL} failed to start its engine without prefix caching (after a "
+          f"failed canary) in the last {t.ENGINE_SWAP_FAILURE_WINDOW}. That replica serves "
+          "nothing while it retries, and Serve replaces it once it gives up. On a real card, "
+          "check that the old engine released the card's memory: two engines do not fit."),
     Alert("EmbedfleetGovernorStale",
           f"max({series(GOVERNOR_STALE)}) > 0\nor\n("
           f"max(absent({series(GOVERNOR_STALE)}))\n  and on ()\n"

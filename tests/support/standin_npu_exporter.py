@@ -12,6 +12,9 @@ which is how a stuck exporter shows up as old samples rather than missing ones).
 Where it differs: it also labels each series with ``node``, so one process can stand in for
 several nodes (a real npu-exporter runs per node and the scrape config attaches the node), and
 it serves ``standin_npu_exporter_info`` so a stand-in can never be mistaken for the real thing.
+The engine's terms of the governor's live ratio (free KV pool, allocator cache) never come from
+an npu-exporter but from the replicas through Ray; in tests the STAND-IN
+``tests.support.standin_ray_agent`` serves them.
 
 HTTP API (JSON bodies):
   GET  /metrics                       Prometheus text format
@@ -21,7 +24,7 @@ HTTP API (JSON bodies):
   POST /remove {"node"?, "device"?}   drops one card's series (or all, with an empty body)
   GET  /cards                         the current values as JSON
 
-Run: ``python -m monitoring.exporters.standin_npu_exporter --port 9101 --card n0:0:0.5 …``
+Run: ``python -m tests.support.standin_npu_exporter --port 9101 --card n0:0:0.5 …``
 """
 
 from __future__ import annotations

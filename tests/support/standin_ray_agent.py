@@ -1,0 +1,228 @@
+"""STAND-IN Ray metrics agent — FOR TESTS ONLY. NO RAY, NO ENGINE, NO CARD BEHIND IT.
+
+Every value it serves was set by a test, through the Python API or over HTTP. It exists so that
+the memory governor's live-pressure signal can be exercised through a real Prometheus and real
+PromQL without starting Ray or an engine: it serves, under ``/metrics``, the per-card series an
+embedfleet engine replica exports through Ray's metrics agent, as Prometheus scrapes them (the
+scrape job must be ``ray``, as in the shipped config, since every query selects ``job="ray"``).
+Never point a real Prometheus at it.
+
+What it imitates from Ray's export of the replica's gauges (``deployments.metrics``): the names
+with Ray's ``ray_`` prefix —
+
+  ray_embedfleet_card_memory_used_bytes       device memory in use (driver view)
+  ray_embedfleet_card_memory_total_bytes      device capacity
+  ray_embedfleet_kv_cache_free_bytes          free part of vLLM's KV pool
+  ray_embedfleet_allocator_cache_free_bytes   allocator-cached bytes no tensor held
+
+— labelled ``node`` and ``device`` (the replica's tags) plus the labels Ray adds to every user
+metric (``WorkerId``, ``NodeAddress``, ``Component``, ``SessionName``, ``Version``). Each term of
+each card is set on its own, and may be left out or dropped, so a test can show what a query
+does when a replica has not exported one of them. Where it differs from Ray: values are exactly
+what was set, with no reporting delay; and it serves ``standin_ray_agent_info`` so a stand-in
+can never be mistaken for the real thing.
+
+HTTP API (JSON bodies; values in bytes):
+  GET  /metrics                        Prometheus text format
+  POST /set    {"node", "device", "used"?, "total"?, "kv_free"?, "cache_free"?, "worker_id"?}
+               sets the given terms; the others keep their value (unset: not exported)
+  POST /drop   {"node", "device", "terms": [...]}   stops exporting these terms of one card
+  POST /remove {"node"?, "device"?}    drops whole cards (all, with an empty body)
+  GET  /cards                          the current values as JSON
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import asdict, dataclass, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from deployments.metrics import BY_NAME
+
+#: card term -> the series Prometheus scrapes (Ray's exported name of the replica's gauge).
+SERIES: dict[str, str] = {
+    "used": BY_NAME["embedfleet_card_memory_used_bytes"].exported[0],
+    "total": BY_NAME["embedfleet_card_memory_total_bytes"].exported[0],
+    "kv_free": BY_NAME["embedfleet_kv_cache_free_bytes"].exported[0],
+    "cache_free": BY_NAME["embedfleet_allocator_cache_free_bytes"].exported[0],
+}
+TERMS: tuple[str, ...] = tuple(SERIES)
+INFO = "standin_ray_agent_info"
+
+_BANNER = "STAND-IN for tests, not a Ray metrics agent, not real card data"
+
+
+@dataclass(frozen=True)
+class Card:
+    node: str
+    device: str
+    worker_id: str
+    used: float | None = None
+    total: float | None = None
+    kv_free: float | None = None
+    cache_free: float | None = None
+
+
+def _label(value: str) -> str:
+    # Text-format escaping of label values: backslash, double quote, newline.
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render(cards: list[Card]) -> str:
+    """The exposition text for these cards (Prometheus text format 0.0.4)."""
+    lines = [f"# HELP {INFO} {_BANNER}: embedfleet's stand-in Ray metrics agent.",
+             f"# TYPE {INFO} gauge",
+             f'{INFO}{{warning="{_BANNER}"}} 1']
+    for term, name in SERIES.items():
+        lines += [f"# HELP {name} {_BANNER}: the replica's {term} term (bytes), set by a test.",
+                  f"# TYPE {name} gauge"]
+        for c in cards:
+            value = getattr(c, term)
+            if value is None:
+                continue
+            # A node name is the node IP unless Ray was started with --node-name; Ray's own
+            # NodeAddress is always the IP, which the stand-in takes to be the node name.
+            labels = ",".join(f'{k}="{_label(v)}"' for k, v in (
+                ("Component", "core_worker"), ("NodeAddress", c.node),
+                ("SessionName", "session_standin"), ("Version", "standin"),
+                ("WorkerId", c.worker_id), ("device", c.device), ("node", c.node)))
+            lines.append(f"{name}{{{labels}}} {value!r}")
+    return "\n".join(lines) + "\n"
+
+
+class StandinRayAgent:
+    """The stand-in as an object: ``start()`` serves in a daemon thread, setters change values.
+
+    Use as a context manager in tests; ``port=0`` picks a free port (see ``.port``/``.url``).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._lock = threading.Lock()
+        self._cards: dict[tuple[str, str], Card] = {}
+        self._server = ThreadingHTTPServer((host, port), _make_handler(self))
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    # --- values ---------------------------------------------------------------------------------
+    def set_card(self, node: str, device: str | int, *, used: float | None = None,
+                 total: float | None = None, kv_free: float | None = None,
+                 cache_free: float | None = None, worker_id: str | None = None) -> Card:
+        """Set the given terms (bytes) of one card; terms not given keep their value, and a term
+        never set is not exported. ``worker_id`` defaults to one per card."""
+        terms = {"used": used, "total": total, "kv_free": kv_free, "cache_free": cache_free}
+        for term, value in terms.items():
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{term} must be a finite number >= 0, got {value!r}")
+        key = (str(node), str(device))
+        with self._lock:
+            card = self._cards.get(key) or Card(*key, worker_id=f"standin-{key[0]}-{key[1]}")
+            card = replace(card, **{t: float(v) for t, v in terms.items() if v is not None},
+                           **({"worker_id": str(worker_id)} if worker_id is not None else {}))
+            self._cards[key] = card
+        return card
+
+    def drop(self, node: str, device: str | int, *terms: str) -> Card:
+        """Stop exporting these terms of one card (as if the replica had not reported them)."""
+        unknown = set(terms) - set(TERMS)
+        if unknown or not terms:
+            raise ValueError(f"terms must be some of {TERMS}, got {terms!r}")
+        key = (str(node), str(device))
+        with self._lock:
+            if key not in self._cards:
+                raise KeyError(f"no card {key[0]}/{key[1]}")
+            card = self._cards[key] = replace(self._cards[key], **dict.fromkeys(terms))
+        return card
+
+    def remove(self, node: str | None = None, device: str | int | None = None) -> int:
+        """Drop matching cards (all when both are None); returns how many went."""
+        with self._lock:
+            gone = [k for k in self._cards
+                    if (node is None or k[0] == node) and (device is None or k[1] == str(device))]
+            for k in gone:
+                del self._cards[k]
+        return len(gone)
+
+    def cards(self) -> list[Card]:
+        with self._lock:
+            return sorted(self._cards.values(), key=lambda c: (c.node, c.device))
+
+    def metrics_text(self) -> str:
+        return render(self.cards())
+
+    # --- server ---------------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._server.server_address[0]}:{self.port}"
+
+    def start(self) -> StandinRayAgent:
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="standin-ray-agent")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(5)
+            self._thread = None
+        self._server.server_close()
+
+    def __enter__(self) -> StandinRayAgent:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _make_handler(agent: StandinRayAgent) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # a scrape per second would flood stderr
+            pass
+
+        def _send(self, code: int, body: str, ctype: str = "application/json") -> None:
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, agent.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/cards":
+                self._send(200, json.dumps([asdict(c) for c in agent.cards()]))
+            elif path == "/":
+                self._send(200, __doc__ or "", "text/plain; charset=utf-8")
+            else:
+                self._send(404, json.dumps({"error": f"no route {path}"}))
+
+        def do_POST(self) -> None:
+            path = self.path.split("?", 1)[0]
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if path == "/set":
+                    card = agent.set_card(body["node"], body["device"],
+                                          worker_id=body.get("worker_id"),
+                                          **{t: body.get(t) for t in TERMS})
+                    self._send(200, json.dumps(asdict(card)))
+                elif path == "/drop":
+                    card = agent.drop(body["node"], body["device"], *body["terms"])
+                    self._send(200, json.dumps(asdict(card)))
+                elif path == "/remove":
+                    n = agent.remove(body.get("node"), body.get("device"))
+                    self._send(200, json.dumps({"removed": n}))
+                else:
+                    self._send(404, json.dumps({"error": f"no route {path}"}))
+            except (KeyError, TypeError, ValueError) as exc:  # the caller's mistake: say which
+                self._send(400, json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+
+    return Handler

@@ -12,7 +12,10 @@ canary at start-up and every ``canary_interval_s``:
 3. every probe is embedded again normally — these must hit the cache;
 4. hit vs reference and hit vs cold must agree to cosine ≥ ``COSINE_FLOOR``.
 
-A run that saw no cache hits proves nothing and is reported as inconclusive, not as a pass.
+A run that saw no cache hits proves nothing: its verdict is ``inconclusive`` and ``passed`` is
+False. The replica reruns it (``deployments.prefix_cache_controller``) and shows the verdict in
+``/v1/models`` and ``embedfleet_canary_verdict``; a model whose cache never hits never reads as
+proven.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -42,10 +45,13 @@ PROBE_QUERIES = (
 )
 
 
+Verdict = Literal["passed", "failed", "inconclusive"]
+VERDICTS: tuple[Verdict, ...] = ("passed", "failed", "inconclusive")
+
+
 @dataclass(frozen=True)
 class CanaryResult:
-    passed: bool
-    conclusive: bool
+    verdict: Verdict
     min_cosine: float
     cached_tokens: int
     prefix_tokens: int
@@ -53,8 +59,16 @@ class CanaryResult:
     at: float
     detail: str
 
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "passed"
+
+    @property
+    def conclusive(self) -> bool:
+        return self.verdict != "inconclusive"
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "passed": self.passed, "conclusive": self.conclusive}
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:
@@ -80,9 +94,9 @@ async def run_canary(engine: EmbeddingEngine, *, label: str = "canary") -> Canar
         detail = (f"min cosine {low:.6f} over {len(cosines)} cache-hit/cold pairs, "
                   f"{cached} cached tokens")
     if cached == 0:
-        return CanaryResult(True, False, low, 0, prefix_tokens, len(ids), time.time(),
-                            "inconclusive: no cache hits observed; " + detail)
-    passed = low >= COSINE_FLOOR
-    if not passed:
-        detail = f"cache hits differ from cold vectors: {detail} (floor {COSINE_FLOOR})"
-    return CanaryResult(passed, True, low, cached, prefix_tokens, len(ids), time.time(), detail)
+        return CanaryResult("inconclusive", low, 0, prefix_tokens, len(ids), time.time(),
+                            "inconclusive: no cache hits observed, nothing proven; " + detail)
+    if low >= COSINE_FLOOR:
+        return CanaryResult("passed", low, cached, prefix_tokens, len(ids), time.time(), detail)
+    return CanaryResult("failed", low, cached, prefix_tokens, len(ids), time.time(),
+                        f"cache hits differ from cold vectors: {detail} (floor {COSINE_FLOOR})")

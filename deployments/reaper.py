@@ -51,6 +51,20 @@ def start_reaper(pids: list[int]) -> subprocess.Popen | None:
                             start_new_session=True)  # survives signals aimed at the replica's group
 
 
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until ``pids`` have exited (reaped or not our children); the ones still alive."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    return [p.pid for p in alive]
+
+
 def kill_engine_processes(pids: list[int]) -> int:
     killed = 0
     for pid in pids:

@@ -9,6 +9,7 @@ to the FleetRegistry every few seconds.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import logging
 import os
@@ -28,6 +29,7 @@ from deployments.model_facts import read_model_facts
 from deployments.platform import (
     card_identity,
     platform_facts,
+    prepare_ascend_process,
     prepare_cpu_process,
 )
 from deployments.prefix_cache_policy import resolve as resolve_prefix_cache
@@ -35,8 +37,11 @@ from deployments.batching import LengthAwareBatcher
 from deployments.budget import AdmissionBudget
 from deployments.inputs import InputPreparer, PreparedCall
 from deployments.long_input import LongInputPolicy, SpecialTokens
-from deployments.canary import run_canary
-from deployments.card_memory import CardMemorySampler, CardMemoryUnavailable
+from deployments.card_memory import CpuCardModel
+from deployments.engine_gate import EngineGate
+from deployments.governor import RayMetricsSink
+from deployments.limits_follower import LimitsFollower
+from deployments.prefix_cache_controller import PrefixCacheController
 from deployments.fingerprint import fingerprint_headers, model_digest
 from deployments import reaper
 from deployments.registry import HEARTBEAT_INTERVAL_S
@@ -89,23 +94,27 @@ def decide_prefix_cache(cfg: EmbedfleetConfig, m: ModelConfig) -> tuple[bool, st
 
 
 class EngineReplica:
+    """One card's replica: a request path in front of the engine, plus three parts with one job
+    each — the prefix-cache controller (canary and swap), the limits follower (card memory and
+    the governor's limits) and the heartbeat to the registry."""
+
     async def __init__(self, config: dict[str, Any], model_name: str, registry: Any = None,
                        engine_factory: str = DEFAULT_ENGINE_FACTORY, governor: Any = None) -> None:
         self.cfg = parse_config(config, "deployment args")
         self.model_cfg = self.cfg.model(model_name)
-        resource = self.cfg.platform.card_resource
-        self.card = card_identity(resource)
-        if self.cfg.platform.kind == "ascend":
+        kind = self.cfg.platform.kind
+        self.card = card_identity(self.cfg.platform.card_resource, ascend=kind == "ascend")
+        if kind == "ascend":
             from deployments.ascend_checks import assert_ascend_ready
 
-            logger.info("Ascend start-up checks passed: %s", assert_ascend_ready())
-        if self.cfg.platform.kind == "cpu":
+            logger.info("Ascend start-up checks passed: %s; engine env %s",
+                        assert_ascend_ready(), prepare_ascend_process())
+        if kind == "cpu":
             binding = prepare_cpu_process(self.card.device, self.card.cards_on_node)
             logger.info("CPU card %s: vLLM threads bound to cores %s", self.card.device, binding)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download weights at run time
         self._registry = registry
-        self._governor = governor
-        self._reapers: list = []
+        self._engine_procs: dict[int, tuple[list[int], Any]] = {}
         self._factory = load_factory(engine_factory)
         adm = self.model_cfg.admission
         self.ceiling = self.model_cfg.budget_ceiling
@@ -114,18 +123,18 @@ class EngineReplica:
             max_waiting=adm.max_waiting, queue_timeout_s=adm.queue_timeout_s,
             on_reject=lambda reason: metrics.get("embedfleet_overload_rejections_total").inc(
                 1, tags={"model": model_name, "reason": reason}))
-        self.limits: dict[str, Any] = {**self.ceiling, "stale": False,
-                                       "reason": "ceiling (no governor reading yet)"}
-        self.prefix_cache, self.prefix_cache_reason = decide_prefix_cache(self.cfg, self.model_cfg)
+        enabled, reason = decide_prefix_cache(self.cfg, self.model_cfg)
         override = await self._registry.prefix_cache_override.remote(model_name) \
-            if (self._registry is not None and self.prefix_cache) else None
+            if (self._registry is not None and enabled) else None
         if override:
-            self.prefix_cache, self.prefix_cache_reason = False, override["reason"]
-        self.engine: EmbeddingEngine = self._build(self.prefix_cache)
-        self.info: EngineInfo = self.engine.info
+            enabled, reason = False, override["reason"]
+        engine = self._build(enabled)
+        self.gate: EngineGate[EmbeddingEngine] = EngineGate(engine)
+        self.info: EngineInfo = engine.info
         self.model_cfg.long_input.check_model(
-            self.info.max_model_len, SpecialTokens.from_tokenizer(self.engine.hf_tokenizer))
-        self.preparer = self._make_preparer()
+            self.info.max_model_len, SpecialTokens.from_tokenizer(engine.hf_tokenizer))
+        self.preparer = self._make_preparer(engine)
+        self.hf_tokenizer = engine.hf_tokenizer
         self.batcher = LengthAwareBatcher(
             embed_fn=self._engine_batch, max_batch_tokens=self.model_cfg.engine.max_num_batched_tokens,
             max_batch_size=self.model_cfg.engine.max_num_seqs)
@@ -139,149 +148,108 @@ class EngineReplica:
         self._tags = {"model": model_name, "node": self.card.node, "device": self.card.device}
         self._inflight_seqs = 0
         self._inflight_tokens = 0
-        self._calls_by_engine: dict[int, int] = {}
-        self._skip_reads = False  # safe mode between a failed canary and the engine swap
-        self._switching: asyncio.Task | None = None
         self._healthy = True
         self._last_progress = time.monotonic()
-        self.last_canary: dict[str, Any] | None = None
+        self.prefix = PrefixCacheController(
+            model=model_name, card_label=self.card.label,
+            enabled=self.info.prefix_caching, reason=reason, gate=self.gate,
+            build_engine=self._build, shutdown_engine=self._shutdown_engine,
+            report_failure=self._report_canary_failure,
+            canary_interval_s=self.model_cfg.canary_interval_s, on_change=self._engine_changed)
         if self.info.prefix_caching:
-            await self._canary_once()  # prove cache hits before serving; switches off on failure
-        self._memory = CardMemorySampler.from_config(self.cfg)
+            await self.prefix.prove()  # prove cache hits before serving; switches off on failure
+        self.follower = LimitsFollower(
+            gate=self.gate, budget=self.budget,
+            card_tags={"node": self.card.node, "device": self.card.device},
+            ceiling=self.ceiling, pull_limits=self._pull_limits(governor),
+            interval_s=self.cfg.governor.interval_s, sink=RayMetricsSink(),
+            peak_window_s=self.cfg.governor.peak_window_s,
+            idle=lambda: self._inflight_seqs == 0,
+            cpu_card=CpuCardModel(self.cfg.platform.cpu_card_memory_bytes)
+            if kind == "cpu" else None)
+        await self._check_idle_floor()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._heartbeat_loop()),
-                       loop.create_task(self._canary_loop()),
-                       loop.create_task(self._limits_loop())]
+                       loop.create_task(self.prefix.run()),
+                       loop.create_task(self.follower.run(after_tick=self._export_state))]
         metrics.get("embedfleet_replica_ready").set(1, tags=self._tags)
-        self._export_prefix_state()
+        self.prefix.export()
         logger.info("replica %s of %s ready on card %s; prefix cache %s (%s)", self.replica_id,
-                    model_name, self.card.label, "on" if self.info.prefix_caching else "off",
-                    self.prefix_cache_reason)
+                    model_name, self.card.label, self.prefix.state, self.prefix.reason)
 
+    # -- engines: built through the factory, shut down until their processes are gone -------
     def _build(self, prefix_cache: bool) -> EmbeddingEngine:
         kwargs = self.cfg.engine_kwargs(self.model_cfg, enable_prefix_caching=prefix_cache)
         os.environ[reaper.MARKER_ENV] = str(os.getpid())  # inherited by the engine's processes
         before = set(reaper.engine_pids())
         engine = self._factory(kwargs)
-        watchdog = reaper.start_reaper([p for p in reaper.engine_pids() if p not in before])
-        if watchdog is not None:
-            self._reapers.append(watchdog)
+        pids = [p for p in reaper.engine_pids() if p not in before]
+        self._engine_procs[id(engine)] = (pids, reaper.start_reaper(pids))
         return engine
+
+    def _shutdown_engine(self, engine: EmbeddingEngine) -> None:
+        """Shut ``engine`` down and wait until its processes are gone: on a card their exit is
+        what frees the memory the next engine's start-up check needs."""
+        pids, watchdog = self._engine_procs.pop(id(engine), ([], None))
+        engine.shutdown()
+        left = reaper.wait_gone(pids, timeout_s=60)
+        if left:
+            logger.warning("engine processes %s outlived shutdown; killed", left)
+            reaper.kill_engine_processes(left)
+        if watchdog is not None:
+            watchdog.terminate()
+        gc.collect()
+
+    def _engine_changed(self) -> None:
+        engine = self.gate.engine
+        if engine is not None and engine.info is not self.info:
+            self.info = engine.info
+            self.preparer = self._make_preparer(engine)
+            self.hf_tokenizer = engine.hf_tokenizer
 
     def fingerprint(self) -> dict[str, str]:
         return fingerprint_headers(digest=self.digest, dtype=self.info.dtype,
                                    engine=self.info.engine_version,
                                    platform=self.cfg.platform.kind,
-                                   prefix_cache=self.info.prefix_caching and not self._skip_reads)
+                                   prefix_cache=self.prefix.reads_cache)
 
     # -- batch limits: pulled from the MemoryGovernor, enforced by the admission budget ------
-    async def _limits_loop(self) -> None:
-        interval = self.cfg.governor.interval_s
-        while True:
-            self._export_card_memory()
-            if self._governor is not None:
-                try:
-                    limits = await self._governor.limits_for.remote(
-                        self.card.node, self.card.device, self.ceiling)
-                    if (limits["max_sequences"], limits["max_tokens"]) != self.budget.limits:
-                        logger.warning("card %s budget -> %d sequences / %d tokens (%s)",
-                                       self.card.label, limits["max_sequences"],
-                                       limits["max_tokens"], limits.get("reason"))
-                    self.budget.set_limits(limits["max_sequences"], limits["max_tokens"])
-                    self.limits = limits
-                except Exception as exc:  # governor restarting: keep the last limits
-                    logger.warning("cannot pull limits from MemoryGovernor: %r", exc)
-            seqs, toks = self.budget.limits
-            metrics.get("embedfleet_budget_sequences").set(seqs, tags=self._tags)
-            metrics.get("embedfleet_budget_tokens").set(toks, tags=self._tags)
-            self._export_state()
-            await asyncio.sleep(interval)
+    def _pull_limits(self, governor: Any):
+        if governor is None:
+            return None
+        return lambda: governor.limits_for.remote(self.card.node, self.card.device, self.ceiling)
+
+    async def _check_idle_floor(self) -> None:
+        """The signal before any request is the card's floor; at or above ``high`` the governor
+        would hold this card at its floor forever, so say so loudly."""
+        reading = await self.follower.read_card()
+        high = self.cfg.governor.params.high
+        if reading is not None and reading.ratio >= high:
+            logger.error("card %s: live memory ratio at idle is %.3f >= governor high %.2f: the "
+                         "governor will keep this card's budget at its floor; lower "
+                         "gpu_memory_utilization or serve a smaller model (live %d of %d bytes)",
+                         self.card.label, reading.ratio, high, reading.live_bytes,
+                         reading.total_bytes - reading.kv_free_bytes)
 
     def _export_state(self) -> None:
         """Re-set the state gauges every pass: Ray's metrics agent drops a gauge ~20 s after
         its last update, and alerts such as "prefix cache disabled by the canary" need them."""
-        self._export_prefix_state()
+        seqs, toks = self.budget.limits
+        metrics.get("embedfleet_budget_sequences").set(seqs, tags=self._tags)
+        metrics.get("embedfleet_budget_tokens").set(toks, tags=self._tags)
+        self.prefix.export()
         self._export_inflight()
         metrics.get("embedfleet_replica_ready").set(int(self._healthy), tags=self._tags)
-        if self.last_canary is not None:
-            metrics.get("embedfleet_canary_last_cosine").set(
-                self.last_canary["min_cosine"], tags={"model": self.model_cfg.name})
 
-    def _export_card_memory(self) -> None:
-        try:
-            used, total = self._memory.sample()
-        except CardMemoryUnavailable as exc:
-            logger.warning("card memory unavailable: %s", exc)
-            return
-        tags = {"node": self.card.node, "device": self.card.device}
-        metrics.get("embedfleet_card_memory_used_bytes").set(used, tags=tags)
-        metrics.get("embedfleet_card_memory_total_bytes").set(total, tags=tags)
-
-    # -- prefix-cache canary and the switch to "off" ------------------------------------------
-    async def _canary_once(self) -> None:
-        engine = self.engine
-        result = await run_canary(engine, label=f"canary-{self.model_cfg.name}")
-        self.last_canary = result.to_dict()
-        model_tag = {"model": self.model_cfg.name}
-        metrics.get("embedfleet_canary_last_cosine").set(result.min_cosine, tags=model_tag)
-        if result.passed:
-            logger.info("prefix-cache canary of %s: %s", self.model_cfg.name, result.detail)
-            return
-        metrics.get("embedfleet_canary_failures_total").inc(1, tags=model_tag)
-        reason = f"disabled by the canary: {result.detail}"
-        logger.error("prefix-cache canary FAILED for %s on card %s: %s; switching prefix caching "
-                     "off for this model", self.model_cfg.name, self.card.label, result.detail)
+    # -- the prefix-cache canary's fleet-wide side -------------------------------------------
+    async def _report_canary_failure(self, reason: str, canary: dict[str, Any]) -> None:
         if self._registry is not None:
-            await self._registry.disable_prefix_cache.remote(self.model_cfg.name, reason,
-                                                             self.last_canary)
-        await self._switch_prefix_cache_off(reason)
-
-    async def _canary_loop(self) -> None:
-        while self.info.prefix_caching:
-            await asyncio.sleep(self.model_cfg.canary_interval_s)
-            if not self.info.prefix_caching or self._switching:
-                return
-            try:
-                await self._canary_once()
-            except Exception as exc:  # a canary that cannot run is logged, never fatal
-                logger.warning("prefix-cache canary of %s could not run: %r",
-                               self.model_cfg.name, exc)
-
-    def _switch_prefix_cache_off(self, reason: str) -> asyncio.Task:
-        """Stop reading the cache at once, then swap in an engine built with caching off.
-
-        Requests keep flowing: until the new engine is up, every request skips reading the
-        prefix cache (correct vectors, just slower); afterwards the old engine finishes the calls
-        it holds and is shut down.
-        """
-        if self._switching is None:
-            self._skip_reads = True
-            self.prefix_cache_reason = reason
-            self._export_prefix_state()
-            self._switching = asyncio.get_running_loop().create_task(self._swap_engine())
-        return self._switching
-
-    async def _swap_engine(self) -> None:
-        new = await asyncio.to_thread(self._build, False)
-        old, self.engine, self.info = self.engine, new, new.info
-        self.preparer = self._make_preparer()
-        self._skip_reads = False
-        self._export_prefix_state()
-        logger.warning("replica %s of %s now serves with prefix caching off",
-                       self.replica_id, self.model_cfg.name)
-        for _ in range(1200):  # let the old engine finish what it holds (bounded: 120 s)
-            if not self._calls_by_engine.get(id(old)):
-                break
-            await asyncio.sleep(0.1)
-        old.shutdown()
-
-    def _export_prefix_state(self) -> None:
-        on = self.info.prefix_caching and not self._skip_reads
-        metrics.get("embedfleet_prefix_cache_enabled").set(
-            int(on), tags={"model": self.model_cfg.name})
+            await self._registry.disable_prefix_cache.remote(self.model_cfg.name, reason, canary)
 
     # -- what the registry and /v1/models see ------------------------------------------------
     def describe(self) -> dict[str, Any]:
+        reading = self.follower.reading
+        limits = self.follower.limits
         return {
             "replica_id": self.replica_id,
             "model": self.model_cfg.name,
@@ -290,24 +258,25 @@ class EngineReplica:
             "node_ip": self.card.node_ip,
             "device": self.card.device,
             "pid": os.getpid(),
-            "ready": self._healthy,
+            "ready": self._healthy and self.prefix.healthy,
             "max_model_len": self.info.max_model_len,
             "dimensions": self.info.hidden_size,
             "matryoshka_dimensions": list(self.info.matryoshka_dimensions or []),
             "dtype": self.info.dtype,
+            "block_size": self.info.block_size,
             "engine_version": self.info.engine_version,
             "platform": self.cfg.platform.kind,
-            "prefix_cache": {"enabled": self.info.prefix_caching and not self._skip_reads,
-                             # on | off | safe-mode (canary failed; engine swap under way)
-                             "state": "safe-mode" if self._skip_reads else
-                             ("on" if self.info.prefix_caching else "off"),
-                             "reason": self.prefix_cache_reason,
-                             "last_canary": self.last_canary},
+            "prefix_cache": self.prefix.view(),
             "fingerprint": self.fingerprint(),
             "inflight_sequences": self._inflight_seqs,
             "inflight_tokens": self._inflight_tokens,
-            "budget": {**self.budget.snapshot(), "stale": self.limits.get("stale"),
-                       "reason": self.limits.get("reason")},
+            "memory": None if reading is None else {
+                "ratio": reading.ratio, "idle_ratio": self.follower.idle_ratio,
+                "live_bytes": reading.live_bytes, "used_bytes": reading.used_bytes,
+                "total_bytes": reading.total_bytes, "kv_pool_bytes": reading.kv_pool_bytes,
+                "kv_peak_usage": reading.kv_peak_usage},
+            "budget": {**self.budget.snapshot(), "stale": limits.get("stale"),
+                       "reason": limits.get("reason")},
         }
 
     async def _heartbeat_loop(self) -> None:
@@ -315,18 +284,18 @@ class EngineReplica:
             try:
                 wanted = await self._registry.heartbeat.remote(self.describe())
                 override = (wanted or {}).get("prefix_cache_override")
-                if override and self.info.prefix_caching and self._switching is None:
+                if override and self.prefix.state == "on":
                     logger.warning("prefix caching of %s switched off fleet-wide: %s",
                                    self.model_cfg.name, override["reason"])
-                    self._switch_prefix_cache_off(override["reason"])
+                    self.prefix.switch_off(override["reason"])
             except Exception as exc:  # the registry restarting must not kill the replica
                 logger.warning("heartbeat to FleetRegistry failed: %r", exc)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     # -- the request path --------------------------------------------------------------------
-    def _make_preparer(self) -> InputPreparer:
-        return InputPreparer(self.info, self.engine.tokenize,
-                             SpecialTokens.from_tokenizer(self.engine.hf_tokenizer),
+    def _make_preparer(self, engine: EmbeddingEngine) -> InputPreparer:
+        return InputPreparer(engine.info, engine.tokenize,
+                             SpecialTokens.from_tokenizer(engine.hf_tokenizer),
                              self.model_cfg.long_input, self.model_cfg.prompts)
 
     async def embed(self, call: EmbedCall) -> EmbedResult:
@@ -339,22 +308,24 @@ class EngineReplica:
 
     async def _engine_batch(self, pieces: list[list[int]], normalize: bool = True
                             ) -> list[Embedding]:
-        """One engine call; the batcher groups concurrent callers' pieces by length first."""
-        engine = self.engine
-        self._calls_by_engine[id(engine)] = self._calls_by_engine.get(id(engine), 0) + 1
-        try:
-            out = await engine.embed(pieces, request_id=f"b-{uuid.uuid4().hex[:12]}",
-                                     skip_prefix_cache=self._skip_reads, normalize=normalize)
-        except (EmbedfleetError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            # The engine-core process died (or hung up): the call is safe to retry elsewhere,
-            # and the next health check makes Serve replace this replica.
-            self._healthy = False
-            raise EngineUnavailable(f"engine of replica {self.replica_id} failed: "
-                                    f"{type(exc).__name__}", retry_after_s=1) from None
-        finally:
-            self._calls_by_engine[id(engine)] -= 1
+        """One engine call; the batcher groups concurrent callers' pieces by length first.
+
+        While the engine is being replaced the call waits at the gate (up to the model's
+        ``cold_start_hold_s``), then runs on the new engine."""
+        hold_s = self.model_cfg.replicas.cold_start_hold_s
+        async with self.gate.use(hold_s, self.cfg.router.retry_after_s) as engine:
+            skip = engine.info.prefix_caching and not self.prefix.reads_cache
+            try:
+                out = await engine.embed(pieces, request_id=f"b-{uuid.uuid4().hex[:12]}",
+                                         skip_prefix_cache=skip, normalize=normalize)
+            except (EmbedfleetError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                # The engine-core process died (or hung up): the call is safe to retry
+                # elsewhere, and the next health check makes Serve replace this replica.
+                self._healthy = False
+                raise EngineUnavailable(f"engine of replica {self.replica_id} failed: "
+                                        f"{type(exc).__name__}", retry_after_s=1) from None
         self._last_progress = time.monotonic()
         metrics.get("embedfleet_engine_batch_size").observe(
             len(pieces), tags={"model": self.model_cfg.name})
@@ -402,7 +373,7 @@ class EngineReplica:
 
     async def tokenize_tei(self, texts: list[str], add_special_tokens: bool = True,
                            prompt_name: str | None = None) -> list:
-        return tokenize_tei(self.engine.hf_tokenizer, self.preparer.prompted(texts, prompt_name),
+        return tokenize_tei(self.hf_tokenizer, self.preparer.prompted(texts, prompt_name),
                             add_special_tokens)
 
     async def check_health(self) -> None:
@@ -412,14 +383,19 @@ class EngineReplica:
         could time out on a healthy replica; then the engine finishing batches recently is the
         proof of health, and the engine core's own liveness check must pass.
         """
+        if not self.prefix.healthy:
+            raise RuntimeError(f"engine swap gave up: {self.prefix.swap_error}")
+        engine = self.gate.engine
+        if engine is None or not self.gate.is_open:
+            return  # an engine swap is under way (bounded and retried by the controller)
         busy = self._inflight_seqs > 0
         if busy and time.monotonic() - self._last_progress < self.cfg.health_check_timeout_s:
-            await self.engine.check_health()
+            await engine.check_health()
             return
         try:
-            ids = self.engine.tokenize([HEALTH_PROBE_TEXT])
+            ids = engine.tokenize([HEALTH_PROBE_TEXT])
             out = await asyncio.wait_for(
-                self.engine.embed(ids, request_id=f"health-{uuid.uuid4().hex[:8]}"),
+                engine.embed(ids, request_id=f"health-{uuid.uuid4().hex[:8]}"),
                 timeout=self.cfg.health_check_timeout_s * 0.8)
             if not np.isfinite(out[0].vector).all():
                 raise RuntimeError("health probe embedding is not finite")
@@ -433,16 +409,21 @@ class EngineReplica:
     def __del__(self) -> None:
         for task in getattr(self, "_tasks", []):
             task.cancel()
+        prefix = getattr(self, "prefix", None)
+        if prefix is not None:
+            prefix.cancel()
         registry = getattr(self, "_registry", None)
         if registry is not None:
             try:
                 registry.leave.remote(self.replica_id)
             except Exception:
                 pass
-        engine = getattr(self, "engine", None)
+        gate = getattr(self, "gate", None)
+        engine = gate.take() if gate is not None else None
         if engine is not None:
             engine.shutdown()
             logger.info("engine of replica %s shut down", getattr(self, "replica_id", "?"))
-        for watchdog in getattr(self, "_reapers", []):
-            watchdog.terminate()
+        for _, watchdog in getattr(self, "_engine_procs", {}).values():
+            if watchdog is not None:
+                watchdog.terminate()
 

@@ -1,4 +1,5 @@
-"""FAULT INJECTORS — for tests and demos only. Never configure these in production.
+"""FAULT INJECTORS — for tests only (kept under tests/, never installed). Never configure these in
+production.
 
 Each is an ``EmbeddingEngine`` wrapper (same Protocol) built by an engine-factory import path
 (``engine_factory`` in the Serve application args), so the replica code path is the real one.
@@ -57,6 +58,9 @@ class CacheHitCorruptingFaultInjector:
 
     async def check_health(self) -> None:
         await self.inner.check_health()
+
+    async def memory(self, timeout_s: float, idle: bool = False):
+        return await self.inner.memory(timeout_s, idle)
 
     def shutdown(self) -> None:
         self.inner.shutdown()

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from cluster import local, verify
+from cluster import doctor, local, verify
 from cluster.monitoring_stack import start_monitoring, stop_monitoring
 from cluster.render import load_serve_yaml, render_yaml, serve_config
 from deployments.config import ConfigError, EmbedfleetConfig, load_config
@@ -101,14 +101,29 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    # Flags that only mean something for one kind of manifest are refused elsewhere, not ignored.
+    only = {"--image": (args.image, ("kuberay", "ray_cluster")),
+            "--example": (args.example, ("kuberay", "ray_cluster")),
+            "--node-selector": (args.node_selector, ("kuberay",)),
+            "--head-address": (args.head_address, ("ray_cluster",)),
+            "--worker-address": (args.worker_address, ("ray_cluster",))}
+    for flag, (value, kinds) in only.items():
+        if value and not any(getattr(args, k) for k in kinds):
+            why = (" (Ray's cluster launcher has no node selector: its nodes are the "
+                   "--worker-address hosts)" if flag == "--node-selector" else "")
+            raise ConfigError(f"{flag} applies to "
+                              f"{' / '.join('--' + k.replace('_', '-') for k in kinds)} only{why}")
     if args.kuberay or args.ray_cluster:
-        from cluster.manifests import render_cluster_launcher, render_rayservice
+        from cluster.manifests import cluster_spec, render_cluster_launcher, render_rayservice
 
         if cfg.platform.kind != "ascend":
             raise ConfigError(f"--kuberay/--ray-cluster render 910B manifests; this config has "
                               f"platform.kind={cfg.platform.kind!r} (use an ascend config)")
-
-        sys.stdout.write(render_rayservice(cfg) if args.kuberay else render_cluster_launcher(cfg))
+        spec = cluster_spec(cfg, image=args.image, head_address=args.head_address,
+                            worker_addresses=args.worker_address or (),
+                            node_selector=dict(args.node_selector or ()), example=args.example)
+        sys.stdout.write(render_rayservice(cfg, spec) if args.kuberay
+                         else render_cluster_launcher(cfg, spec))
     else:
         sys.stdout.write(render_yaml(cfg))
     return 0
@@ -271,6 +286,24 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a KubeRay RayService manifest instead (ascend configs)")
     kind.add_argument("--ray-cluster", action="store_true",
                       help="a Ray cluster-launcher YAML for 910B nodes instead (ascend configs)")
+    from cluster.manifests import address_flag, image_flag, node_selector_flag
+
+    # Overrides of the config's `cluster` section; without an image (and, for --ray-cluster,
+    # head and worker addresses) from either, the render is refused unless --example.
+    ren.add_argument("--image", type=image_flag, metavar="REF",
+                     help="container image of every node (overrides cluster.image)")
+    ren.add_argument("--head-address", type=address_flag, metavar="HOST",
+                     help="--ray-cluster: head node IP or host name (overrides "
+                     "cluster.head_address)")
+    ren.add_argument("--worker-address", type=address_flag, action="append", metavar="HOST",
+                     help="--ray-cluster: a worker node IP or host name; repeat per node "
+                     "(replaces cluster.worker_addresses)")
+    ren.add_argument("--node-selector", type=node_selector_flag, action="append",
+                     metavar="KEY=VALUE", help="--kuberay: a node label the pods must match; "
+                     "repeat per label (merged over cluster.node_selector, key by key)")
+    ren.add_argument("--example", action="store_true",
+                     help="fill a missing image / addresses with documentation placeholders "
+                     "(how cluster/examples/ is rendered); not to apply as is")
     ren.set_defaults(func=cmd_render)
     st = with_config(sub.add_parser("status", help="models, replicas per card, readiness"))
     st.add_argument("--address", help="Ray address (default: the local cluster)")
@@ -282,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--address", help="Ray address (default: the local cluster)")
     pc.set_defaults(func=cmd_prefix_cache)
     verify.add_parser(sub)
+    doctor.add_parser(sub)
     # prefix_chars="+": `bench` has no options of its own, so every --flag (and --help) reaches
     # benchmarks.bench's parser untouched.
     bench = sub.add_parser("bench", help="compare embedfleet with vLLM and Infinity "

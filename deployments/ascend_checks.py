@@ -27,7 +27,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Mapping
 
-MIN_CANN = "8.1.RC1"
+from deployments.ascend_release import CANN_VERSION
+
+# The pinned vllm-ascend release's own requirement (its install guide: CANN == 9.1.0); the seed's
+# figure was 8.1.RC1, older than that release needs.
+MIN_CANN = CANN_VERSION
 VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 TOOLKIT_INFO_FILE = "ascend_toolkit_install.info"
 # Where set_env.sh points (ASCEND_TOOLKIT_HOME, ASCEND_HOME_PATH), then the default install

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
+from deployments import ascend_release
 from deployments.ascend_checks import (
+    MIN_CANN,
     MANAGEMENT_DEVICES,
     AscendEnvironment,
     AscendNotReady,
@@ -25,8 +27,8 @@ from deployments.ascend_checks import (
 
 EIGHT_CARDS = frozenset({f"/dev/davinci{i}" for i in range(8)} | set(MANAGEMENT_DEVICES))
 GOOD = AscendEnvironment(
-    cann_version="8.1.RC1",
-    torch_version="2.5.1",
+    cann_version=ascend_release.CANN_VERSION,  # 9.1.0, what vllm-ascend 0.23.0.post1 needs
+    torch_version="2.5.1",  # any matching pair: the check is the pairing, not the pin
     torch_npu_version="2.5.1.post1",
     visible_devices="3",
     device_paths=EIGHT_CARDS,
@@ -53,20 +55,24 @@ def test_all_good_passes():
 
 # -- CANN -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version", ["8.1.RC1", "8.1.RC2", "8.1.0", "8.1.1", "8.2.RC1",
-                                     "8.5.0", "9.0.0", "8.1.RC1.1", "8.1.rc1"])
+def test_minimum_is_the_pinned_releases_own():
+    # The seed said 8.1.RC1; vllm-ascend 0.23.0.post1's install guide says CANN == 9.1.0.
+    assert MIN_CANN == ascend_release.CANN_VERSION == "9.1.0"
+
+
+@pytest.mark.parametrize("version", ["9.1.0", "9.1.1", "9.1.0.1", "9.2.RC1", "9.5.0", "10.0.0"])
 def test_cann_at_or_above_minimum_passes(version):
     assert run_checks(with_(cann_version=version)) == []
 
 
-@pytest.mark.parametrize("version", ["8.0.RC3", "8.0.0", "8.0.1", "7.0.0", "8.1.RC1.alpha001",
-                                     "8.1.RC1.beta1"])
+@pytest.mark.parametrize("version", ["8.1.RC1", "8.5.0", "9.0.0", "9.1.RC1", "9.1.RC2",
+                                     "9.1.0.alpha001", "9.1.0.beta1", "7.0.0"])
 def test_cann_below_minimum_fails_naming_fix(version):
     f = only_failure(with_(cann_version=version))
     assert f.check == "cann"
-    assert f"CANN {version} is older than the required 8.1.RC1" in f.message
+    assert f"CANN {version} is older than the required 9.1.0" in f.message
     assert "ascend_toolkit_install.info" in f.message  # where it was read
-    assert "install CANN toolkit 8.1.RC1 or newer" in f.message
+    assert "install CANN toolkit 9.1.0 or newer" in f.message
     assert "set_env.sh" in f.message
 
 
@@ -82,7 +88,7 @@ def test_cann_missing_toolkit_fails():
     f = only_failure(with_(cann_version=None, cann_info_path="/opt/nowhere"))
     assert f.check == "cann"
     assert "no CANN toolkit found" in f.message and "/opt/nowhere" in f.message
-    assert "install CANN toolkit 8.1.RC1 or newer" in f.message
+    assert "install CANN toolkit 9.1.0 or newer" in f.message
 
 
 def test_cann_installed_but_environment_not_loaded_fails():

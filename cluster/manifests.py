@@ -13,27 +13,42 @@ worker advertises its cards as Ray's ``NPU`` resource, the one the engine replic
 (``deployments.options.card_actor_options``). How many worker nodes follows from the config: the
 sum of the models' replica bounds divided by the cards per node.
 
-Facts the embedfleet config does not carry (image, addresses, pod sizes) come from an
-``AscendClusterSpec`` whose defaults are placeholders to replace; the checked-in examples under
-``cluster/examples/`` are rendered with those defaults (``python -m cluster.manifests``).
+Where the cluster runs (image, node addresses, node selectors, cards per node) comes from the
+config's ``cluster`` section (``deployments.config.ClusterDeployConfig``), overridden by the
+``embedfleet render`` flags; ``cluster_spec`` merges them into an ``AscendClusterSpec``, which also
+holds the facts with sound defaults (pod sizes, device-plugin resource, cache folder). Nothing that
+must be real is guessed: without an image (and, for the launcher, head and worker addresses) the
+render is refused, naming the flag and the config field. ``example=True`` (``render --example``)
+fills the gaps with documentation placeholders (``registry.example.com``, TEST-NET-1 addresses)
+and says so in the header; the checked-in examples under ``cluster/examples/`` are rendered that
+way (``python -m cluster.manifests``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import re
 import sys
-from dataclasses import dataclass, field
+import textwrap
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from cluster.render import render_yaml, serve_config
-from deployments.config import EmbedfleetConfig, load_config
+# The CANN release the pinned vllm-ascend requires, which the image must carry.
+from deployments.ascend_release import CANN_VERSION, RAY, VLLM_ASCEND_VERSION
+from deployments.platform import ASCEND_ENGINE_ENV
+from deployments.config import ClusterDeployConfig, ConfigError, EmbedfleetConfig, load_config
 
-# The ray[serve] pin in pyproject.toml: head, workers and the image must all run this version.
-RAY_VERSION = "2.60.0"
+# The Ascend stack's ray[serve] pin (the `ascend` extra): head, workers and the image must all
+# run it. Not the CPU stack's 2.60.0, which cannot resolve beside vllm-ascend's fastapi bound.
+RAY_VERSION = RAY
 HEAD_PORT = 6379
 DASHBOARD_PORT = 8265
 CLIENT_PORT = 10001
@@ -41,13 +56,12 @@ CLIENT_PORT = 10001
 METRICS_PORT = 8080
 HF_HOME_IN_CONTAINER = "/models/hf"
 
-# Process environment of the Ascend stack on every node (replicas inherit it from `ray start`).
-# No HCCL_* settings: a replica holds one card (no tensor parallelism), so no collective traffic
-# crosses cards; HCCL_IF_IP / HCCL_SOCKET_IFNAME matter only if a model is ever split over cards.
+# Process environment of the Ascend stack on every node (replicas inherit it from `ray start`):
+# the engine settings replicas also set for themselves (deployments.platform.ASCEND_ENGINE_ENV:
+# expandable segments, deterministic kernels for the canary), plus where the weights are.
+# No HCCL_IF_IP / HCCL_SOCKET_IFNAME: a replica holds one card (no tensor parallelism).
 ASCEND_ENV = {
-    # Pooling batches vary in shape step to step; expandable segments keep the NPU caching
-    # allocator from fragmenting, which a 0.95 memory utilisation leaves no slack for.
-    "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+    **ASCEND_ENGINE_ENV,
     # Weights are read from this cache only (the Serve runtime env sets HF_HUB_OFFLINE=1).
     "HF_HOME": HF_HOME_IN_CONTAINER,
 }
@@ -64,20 +78,41 @@ ASCEND_DRIVER_MOUNTS = (
 )
 
 
+# Documentation placeholders, used only with example=True (`render --example`): a reserved
+# domain (RFC 2606) and TEST-NET-1 addresses (RFC 5737), so they can never reach a real node.
+EXAMPLE_IMAGE = "registry.example.com/embedfleet/embedfleet-ascend:0.1.0"
+EXAMPLE_HEAD_IP = "192.0.2.10"
+
+
+def _example_worker_ips(count: int) -> tuple[str, ...]:
+    return tuple(f"192.0.2.{11 + i}" for i in range(count))
+
+
 @dataclass(frozen=True)
 class AscendClusterSpec:
-    """Where and on what the cluster runs: what the embedfleet config leaves to the operator."""
+    """Where and on what the cluster runs: what the embedfleet config leaves to the operator.
 
-    image: str = "registry.example.com/embedfleet/embedfleet-ascend:0.1.0"
-    """Image with CANN >= 8.1.RC1, torch-npu, vllm-ascend and Ray; placeholder to replace."""
+    ``image``, ``head_ip`` and ``worker_ips`` have no defaults: a render that needs one and lacks
+    it is refused (``ConfigError``). Build a spec with ``cluster_spec`` (config + flags)."""
+
+    image: str | None = None
+    """Image with CANN (``CANN_VERSION``), torch-npu, vllm-ascend and Ray, on every node."""
     cluster_name: str | None = None
     """Ray cluster / RayService name; None = the config's app_name."""
+    namespace: str | None = None
+    """KubeRay only: the RayService's namespace; None = kubectl's."""
     cards_per_node: int | None = None
     """NPUs each worker advertises; None = the config's ``cards``."""
-    head_ip: str = "192.0.2.10"
-    """Launcher only. TEST-NET-1 documentation addresses: replace with the real nodes."""
-    worker_ips: tuple[str, ...] | None = None
-    """Launcher only; None = placeholders, as many as the config's replicas need."""
+    head_ip: str | None = None
+    """Launcher only: the head node's address (provider.head_ip)."""
+    worker_ips: tuple[str, ...] = ()
+    """Launcher only: the worker nodes' addresses (provider.worker_ips)."""
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    """KubeRay only: node labels of the worker pods (the launcher has no selector concept)."""
+    head_node_selector: Mapping[str, str] | None = None
+    """KubeRay only: node labels of the head pod; None = ``node_selector``."""
+    placeholders: tuple[str, ...] = ()
+    """Fields filled with documentation placeholders (``example=True``); the header names them."""
     ssh_user: str = "root"
     ssh_private_key: str = "~/.ssh/id_rsa"
     repo_dir: str = "."
@@ -124,16 +159,118 @@ def _resources_json(cfg: EmbedfleetConfig, cards: int) -> str:
     return json.dumps({cfg.platform.card_resource: cards})
 
 
+# -- the spec: config section + render flags --------------------------------------------------
+
+def cluster_spec(cfg: EmbedfleetConfig, *, image: str | None = None,
+                 head_address: str | None = None, worker_addresses: Iterable[str] = (),
+                 node_selector: Mapping[str, str] | None = None,
+                 example: bool = False) -> AscendClusterSpec:
+    """The spec from the config's ``cluster`` section, with the render flags on top.
+
+    A flag given replaces the config's value; ``worker_addresses`` replace the config's whole
+    list; ``node_selector`` entries are merged over the config's, key by key. The merge is checked
+    by the config section's own rules (e.g. the head listed among the workers). ``example=True``
+    fills what neither gives with documentation placeholders (``with_example_placeholders``)."""
+    data = cfg.cluster.model_dump() if cfg.cluster else {}
+    if image is not None:
+        data["image"] = image
+    if head_address is not None:
+        data["head_address"] = head_address
+    if workers := list(worker_addresses):
+        data["worker_addresses"] = workers
+    if node_selector:
+        data["node_selector"] = {**data.get("node_selector", {}), **node_selector}
+    try:
+        section = ClusterDeployConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError("the config's cluster section with the render flags: "
+                          + _reasons(err)) from None
+    spec = AscendClusterSpec(
+        image=section.image, cluster_name=section.name, namespace=section.namespace,
+        cards_per_node=section.cards_per_node, head_ip=section.head_address,
+        worker_ips=tuple(section.worker_addresses), node_selector=dict(section.node_selector),
+        head_node_selector=(None if section.head_node_selector is None
+                            else dict(section.head_node_selector)),
+        ssh_user=section.ssh_user, ssh_private_key=section.ssh_private_key)
+    return with_example_placeholders(cfg, spec) if example else spec
+
+
+def with_example_placeholders(cfg: EmbedfleetConfig, spec: AscendClusterSpec) -> AscendClusterSpec:
+    """``spec`` with documentation placeholders where it has no image, head or workers."""
+    filled: dict[str, Any] = {}
+    if spec.image is None:
+        filled["image"] = EXAMPLE_IMAGE
+    if spec.head_ip is None:
+        filled["head_ip"] = EXAMPLE_HEAD_IP
+    if not spec.worker_ips:
+        filled["worker_ips"] = _example_worker_ips(worker_bounds(cfg, spec)[1])
+    return replace(spec, placeholders=spec.placeholders + tuple(filled), **filled)
+
+
+# Where each spec value comes from (flag, config field), for the messages that refuse a render
+# without it, and what it is called there.
+_SOURCES = {
+    "image": ("--image", "cluster.image", "the image"),
+    "head_ip": ("--head-address", "cluster.head_address", "the head address"),
+    "worker_ips": ("--worker-address", "cluster.worker_addresses", "the worker addresses"),
+}
+
+
+def _require(spec: AscendClusterSpec, manifest: str, *names: str) -> None:
+    if missing := [n for n in names if not getattr(spec, n)]:
+        what = " and ".join(_SOURCES[n][2] for n in missing)
+        how = ", ".join(f"{_SOURCES[n][0]} (or {_SOURCES[n][1]} in the config)" for n in missing)
+        raise ConfigError(f"{manifest} needs {what}, given neither by flag nor config: pass "
+                          f"{how}. `render --example` prints documentation placeholders instead, "
+                          "not to apply as is")
+
+
+def _reasons(err: ValidationError) -> str:
+    return "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in err.errors())
+
+
+def _flag_type(to_data: Callable[[str], tuple[Any, dict[str, Any]]]) -> Callable[[str], Any]:
+    """An argparse ``type=`` checking one flag value by the config section's rules: a bad value
+    exits 2 with ``argument --flag: <the value and why>``."""
+    def check(text: str) -> Any:
+        value, data = to_data(text)
+        try:
+            ClusterDeployConfig.model_validate(data)
+        except ValidationError as err:  # the message names the value; the flag names the field
+            (name,) = data
+            raise argparse.ArgumentTypeError(_reasons(err).removeprefix(f"{name}: ")) from None
+        return value
+    return check
+
+
+def _node_selector_pair(text: str) -> tuple[tuple[str, str], dict[str, Any]]:
+    key, eq, value = text.partition("=")
+    if not eq:
+        raise argparse.ArgumentTypeError(f"{text!r} is not key=value")
+    return (key, value), {"node_selector": {key: value}}
+
+
+image_flag = _flag_type(lambda t: (t, {"image": t}))
+address_flag = _flag_type(lambda t: (t, {"head_address": t}))
+node_selector_flag = _flag_type(_node_selector_pair)
+
+
 # -- Ray cluster launcher ---------------------------------------------------------------------
 
 def cluster_launcher_config(cfg: EmbedfleetConfig,
                             spec: AscendClusterSpec | None = None) -> dict[str, Any]:
     """The cluster-launcher config as data (see ``render_cluster_launcher``)."""
     _require_ascend(cfg)
-    spec = spec or AscendClusterSpec()
+    spec = spec or cluster_spec(cfg)
+    _require(spec, "--ray-cluster", "image", "head_ip", "worker_ips")
     cards = cards_per_node(cfg, spec)
-    _, max_workers = worker_bounds(cfg, spec)
-    workers = list(spec.worker_ips or [f"192.0.2.{11 + i}" for i in range(max_workers)])
+    workers = list(spec.worker_ips)
+    need = sum(m.replicas.min_replicas for m in cfg.models)
+    if len(workers) * cards < need:
+        raise ConfigError(
+            f"{len(workers)} worker address(es) x {cards} cards = {len(workers) * cards} cards, "
+            f"fewer than the {need} the models' min_replicas need: add worker addresses "
+            "(--worker-address / cluster.worker_addresses)")
     env_opts = [f"-e {k}={v}" for k, v in ASCEND_ENV.items()]
     devices = [f"--device=/dev/davinci{i}" for i in range(cards)]
     devices += [f"--device={d}" for d in ASCEND_MANAGEMENT_DEVICES]
@@ -143,7 +280,8 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
         "cluster_name": spec.cluster_name or cfg.app_name,
         # Manually managed on-premises nodes: Ray keeps every listed worker in the cluster. The
         # local provider takes no available_node_types (`ray up` refuses them), so the head/worker
-        # split is made by the `ray start --resources` below.
+        # split is made by the `ray start --resources` below. Nor has it any node selector: the
+        # nodes are exactly these addresses, so the config's node_selector does not apply here.
         "provider": {"type": "local", "head_ip": spec.head_ip, "worker_ips": workers},
         "auth": {"ssh_user": spec.ssh_user, "ssh_private_key": spec.ssh_private_key},
         "max_workers": len(workers),
@@ -160,7 +298,9 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
         "rsync_exclude": [".venv", ".git", "**/__pycache__", ".embedfleet", "benchmarks/results"],
         # The image already carries the heavy pins (vllm-ascend, torch-npu); this installs
         # embedfleet itself, so `deployments.app:build_app` imports on every node.
-        "setup_commands": ["cd ~/embedfleet && pip install --no-cache-dir '.[ascend]'"],
+        # vllm-ascend and vLLM are built from source (cluster/install_ascend.sh); `make setup`
+        # is idempotent, so with the image's stack already built it only installs embedfleet.
+        "setup_commands": ["cd ~/embedfleet && make setup EXTRAS=ascend"],
         "head_start_ray_commands": [
             "ray stop",
             f"ray start --head --port={HEAD_PORT} --dashboard-host=0.0.0.0 "
@@ -201,9 +341,17 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
                         spec: AscendClusterSpec | None = None) -> dict[str, Any]:
     """The RayService as data (see ``render_rayservice``)."""
     _require_ascend(cfg)
-    spec = spec or AscendClusterSpec()
+    spec = spec or cluster_spec(cfg)
+    _require(spec, "--kuberay", "image")
+    name = spec.cluster_name or cfg.app_name
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 47:
+        raise ConfigError(f"RayService name {name!r} (app_name) is not a DNS-1035 label of at most "
+                          "47 characters, as KubeRay requires: set cluster.name in the config")
     cards = cards_per_node(cfg, spec)
     min_workers, max_workers = worker_bounds(cfg, spec)
+    worker_selector = dict(spec.node_selector)
+    head_selector = worker_selector if spec.head_node_selector is None \
+        else dict(spec.head_node_selector)
     head = {
         "rayStartParams": {
             "dashboard-host": "0.0.0.0",
@@ -224,6 +372,7 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
                 "volumeMounts": [dict(_SHM_MOUNT)],
             }],
             "volumes": [dict(_SHM_VOLUME)],
+            **({"nodeSelector": head_selector} if head_selector else {}),
         }},
     }
     worker = {
@@ -251,12 +400,14 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
             "volumes": [dict(_SHM_VOLUME),
                         {"name": "hf-cache", "hostPath": {"path": spec.hf_cache_host_path,
                                                           "type": "DirectoryOrCreate"}}],
+            **({"nodeSelector": worker_selector} if worker_selector else {}),
         }},
     }
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
-        "metadata": {"name": spec.cluster_name or cfg.app_name, "labels": dict(spec.labels)},
+        "metadata": {"name": name, **({"namespace": spec.namespace} if spec.namespace else {}),
+                     "labels": dict(spec.labels)},
         "spec": {
             "serveConfigV2": serve_config_v2(cfg),
             "rayClusterConfig": {
@@ -297,19 +448,47 @@ def _dump(header: str, data: dict[str, Any]) -> str:
     return header + yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=1 << 16)
 
 
+def _header(spec: AscendClusterSpec, uses: tuple[str, ...], *paragraphs: str) -> str:
+    """The comment block on top of a manifest; ``uses``: the spec values this manifest carries
+    (the placeholders among them are called out)."""
+    out = ["Generated by cluster/manifests.py from the embedfleet config; do not edit."]
+    if placeholders := [n for n in spec.placeholders if n in uses]:
+        flags = ", ".join(_SOURCES[n][0] for n in placeholders)
+        fields = ", ".join(_SOURCES[n][1] for n in placeholders)
+        shown = {"image": f"image {EXAMPLE_IMAGE}", "head_ip": f"head_ip {EXAMPLE_HEAD_IP}",
+                 "worker_ips": "worker_ips 192.0.2.x"}
+        out.append("EXAMPLE (rendered with --example), not to apply as is. Documentation "
+                   "placeholders (a reserved domain, TEST-NET-1 addresses) that reach no real "
+                   f"node: {', '.join(shown[n] for n in placeholders)}. Render again with "
+                   f"{flags} (or {fields} in the config).")
+    out.append(f"The image must carry CANN {CANN_VERSION} (what vllm-ascend {VLLM_ASCEND_VERSION} "
+               f"requires), torch-npu, vllm-ascend and ray[serve] {RAY_VERSION}, with CANN's "
+               "set_env.sh variables in its ENV.")
+    out += paragraphs
+    return "".join(f"# {line}\n" for par in out for line in textwrap.wrap(par, 96, break_on_hyphens=False))
+
+
 def render_cluster_launcher(cfg: EmbedfleetConfig, spec: AscendClusterSpec | None = None) -> str:
     """Ray cluster-launcher YAML for 910B nodes: head without cards, workers with NPU: N."""
-    header = ("# Generated by cluster/manifests.py from the embedfleet config; do not edit.\n"
-              "# Replace the placeholders (image, head_ip, worker_ips, ssh key), then from the\n"
-              "# repository root: ray up <this file>; then deploy the Serve config.\n")
-    return _dump(header, cluster_launcher_config(cfg, spec))
+    spec = spec or cluster_spec(cfg)
+    data = cluster_launcher_config(cfg, spec)
+    notes = []
+    if spec.node_selector or spec.head_node_selector:
+        # The launcher has no selector concept: say so rather than drop the config's silently.
+        notes.append("cluster.node_selector is not applied: Ray's cluster launcher (local "
+                     "provider) has no node selector; its nodes are exactly provider.head_ip and "
+                     "provider.worker_ips.")
+    notes.append("From the repository root: ray up <this file>; then deploy the Serve config.")
+    return _dump(_header(spec, ("image", "head_ip", "worker_ips"), *notes), data)
 
 
 def render_rayservice(cfg: EmbedfleetConfig, spec: AscendClusterSpec | None = None) -> str:
     """KubeRay RayService YAML: serveConfigV2 from the config, device-plugin cards as NPU."""
-    header = ("# Generated by cluster/manifests.py from the embedfleet config; do not edit.\n"
-              "# Replace the image placeholder, then: kubectl apply -f <this file>\n")
-    return _dump(header, rayservice_manifest(cfg, spec))
+    spec = spec or cluster_spec(cfg)
+    data = rayservice_manifest(cfg, spec)
+    apply = "kubectl apply -f <this file>" if spec.namespace else \
+        "kubectl apply -n <namespace> -f <this file>"
+    return _dump(_header(spec, ("image",), f"Then: {apply}"), data)
 
 
 # -- the checked-in examples ------------------------------------------------------------------
@@ -323,9 +502,10 @@ LOCAL_CPU_CONFIG = REPO_ROOT / "deployments" / "configs" / "local-cpu.yaml"
 def example_files() -> dict[str, str]:
     """File name under ``cluster/examples/`` -> its rendered text (the golden tests' truth)."""
     ascend = load_config(ASCEND_910B_CONFIG)
+    example = cluster_spec(ascend, example=True)  # what `embedfleet render --example` prints
     return {
-        "ray-cluster-910b.yaml": render_cluster_launcher(ascend),
-        "rayservice-910b.yaml": render_rayservice(ascend),
+        "ray-cluster-910b.yaml": render_cluster_launcher(ascend, example),
+        "rayservice-910b.yaml": render_rayservice(ascend, example),
         "serve-910b.yaml": render_yaml(ascend),
         "serve-local-cpu.yaml": render_yaml(load_config(LOCAL_CPU_CONFIG)),
     }

@@ -16,36 +16,44 @@ import shlex
 import pytest
 import ray
 import yaml
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 from ray.serve.schema import ServeDeploySchema
 
+from cluster.cli import main
 from cluster.manifests import (
     ASCEND_910B_CONFIG,
+    CANN_VERSION,
+    EXAMPLE_IMAGE,
     EXAMPLES_DIR,
     LOCAL_CPU_CONFIG,
     RAY_VERSION,
     AscendClusterSpec,
     cluster_launcher_config,
+    cluster_spec,
     example_files,
     rayservice_manifest,
     render_cluster_launcher,
     render_rayservice,
     worker_bounds,
 )
-from cluster.render import serve_config
-from deployments.config import CONFIG_DIR, load_config
+from cluster.render import config_from_serve_yaml, render_yaml, serve_config
+from deployments.config import CONFIG_DIR, ConfigError, load_config, parse_config
 
 ASCEND = load_config(ASCEND_910B_CONFIG)
+EXAMPLE = cluster_spec(ASCEND, example=True)  # what the checked-in examples are rendered with
 NPU_RESOURCE = "huawei.com/Ascend910"
 
 
 @pytest.fixture(scope="module")
 def launcher() -> dict:
-    return yaml.safe_load(render_cluster_launcher(ASCEND))
+    return yaml.safe_load(render_cluster_launcher(ASCEND, EXAMPLE))
 
 
 @pytest.fixture(scope="module")
 def rayservice() -> dict:
-    return yaml.safe_load(render_rayservice(ASCEND))
+    return yaml.safe_load(render_rayservice(ASCEND, EXAMPLE))
 
 
 def _flag(command: str, name: str) -> str:
@@ -116,7 +124,7 @@ def test_launcher_required_fields(launcher):
     assert launcher["provider"]["head_ip"]
     assert len(launcher["provider"]["worker_ips"]) == 1  # 8 replicas max / 8 cards per node
     assert launcher["docker"]["image"]
-    assert any("embedfleet" in c and "[ascend]" in c for c in launcher["setup_commands"])
+    assert any("embedfleet" in c and "EXTRAS=ascend" in c for c in launcher["setup_commands"])
 
 
 def test_launcher_head_has_no_cards_and_workers_have_eight(launcher):
@@ -218,8 +226,13 @@ def test_rayservice_cluster_reads_as_ray_autoscaler_sees_it(rayservice):
     assert types["ascend-910b"]["resources"]["CPU"] == 64
 
 
-def test_ray_version_matches_the_installed_ray():
-    assert RAY_VERSION == ray.__version__
+def test_ray_version_is_the_ascend_extras_pin():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert f"ray[serve]=={RAY_VERSION}" in extras["ascend"]
+    assert RAY_VERSION != ray.__version__  # the CPU stack (this venv) runs another Ray
 
 
 # -- derived sizes and guards -----------------------------------------------------------------
@@ -233,15 +246,16 @@ def _with_replicas(min_r: int, max_r: int):
 def test_worker_nodes_follow_replica_bounds():
     cfg = _with_replicas(3, 20)
     assert worker_bounds(cfg, AscendClusterSpec()) == (1, 3)
-    worker = rayservice_manifest(cfg)["spec"]["rayClusterConfig"]
+    example = cluster_spec(cfg, example=True)
+    worker = rayservice_manifest(cfg, example)["spec"]["rayClusterConfig"]
     assert worker["enableInTreeAutoscaling"] is True
     assert (worker["workerGroupSpecs"][0]["minReplicas"],
             worker["workerGroupSpecs"][0]["maxReplicas"]) == (1, 3)
-    assert len(cluster_launcher_config(cfg)["provider"]["worker_ips"]) == 3
+    assert len(cluster_launcher_config(cfg, example)["provider"]["worker_ips"]) == 3
 
 
 def test_spec_overrides_reach_the_manifests():
-    spec = AscendClusterSpec(image="swr.example/emb:1", cards_per_node=4,
+    spec = AscendClusterSpec(image="swr.example/emb:1", cards_per_node=4, head_ip="10.0.0.1",
                              worker_ips=("10.0.0.2", "10.0.0.3"), cluster_name="emb-prod")
     launcher = cluster_launcher_config(ASCEND, spec)
     assert launcher["provider"]["worker_ips"] == ["10.0.0.2", "10.0.0.3"]
@@ -258,3 +272,259 @@ def test_non_ascend_config_is_refused():
         render_rayservice(load_config(LOCAL_CPU_CONFIG))
     with pytest.raises(ValueError, match="platform.kind='cpu'"):
         render_cluster_launcher(load_config(LOCAL_CPU_CONFIG))
+
+
+# -- where the cluster runs: the config's `cluster` section and the render flags ----------------
+
+IMAGE = "swr.cn-south-1.myhuaweicloud.com/emb/embedfleet-ascend:0.1.0"
+CLUSTER = {
+    "image": IMAGE,
+    "name": "emb-prod",
+    "namespace": "embeddings",
+    "head_address": "10.0.0.1",
+    "worker_addresses": ["10.0.0.2", "npu-03.lab.internal"],
+    "node_selector": {"accelerator": "huawei-Ascend910", "node.kubernetes.io/instance-type": "a2"},
+    "ssh_user": "ops",
+    "ssh_private_key": "~/.ssh/embedfleet",
+}
+
+
+def _ascend_data(**cluster) -> dict:
+    return {**yaml.safe_load(ASCEND_910B_CONFIG.read_text()), "cluster": cluster}
+
+
+@pytest.fixture
+def cluster_config(tmp_path):
+    """The 910B config with a full `cluster` section, as a file the CLI can read."""
+    path = tmp_path / "ascend-with-cluster.yaml"
+    path.write_text(yaml.safe_dump(_ascend_data(**CLUSTER), sort_keys=False))
+    return path
+
+
+def _pods(svc: dict) -> tuple[dict, dict]:
+    """(head, worker) pod specs of a rendered RayService."""
+    ray_cluster = svc["spec"]["rayClusterConfig"]
+    return (ray_cluster["headGroupSpec"]["template"]["spec"],
+            ray_cluster["workerGroupSpecs"][0]["template"]["spec"])
+
+
+def _render(capsys, *argv: str) -> tuple[int, str, str]:
+    """`embedfleet render ...` in-process: (exit code, stdout, stderr). Ray may print import
+    noise on stderr; assertions on the output look at stdout."""
+    try:
+        code = main(["render", *argv])
+    except SystemExit as exc:  # argparse rejects a flag value with exit 2
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_config_cluster_section_reaches_the_rayservice(cluster_config):
+    cfg = load_config(cluster_config)
+    svc = yaml.safe_load(render_rayservice(cfg, cluster_spec(cfg)))
+    head, worker = _pods(svc)
+    assert svc["metadata"]["name"] == "emb-prod"
+    assert svc["metadata"]["namespace"] == "embeddings"
+    assert [c["image"] for c in head["containers"] + worker["containers"]] == [IMAGE, IMAGE]
+    assert worker["nodeSelector"] == CLUSTER["node_selector"]
+    assert head["nodeSelector"] == CLUSTER["node_selector"]  # head_node_selector unset = same
+
+
+def test_config_cluster_section_reaches_the_launcher(cluster_config):
+    cfg = load_config(cluster_config)
+    text = render_cluster_launcher(cfg, cluster_spec(cfg))
+    launcher = yaml.safe_load(text)
+    assert launcher["provider"] == {"type": "local", "head_ip": "10.0.0.1",
+                                    "worker_ips": ["10.0.0.2", "npu-03.lab.internal"]}
+    assert launcher["max_workers"] == 2
+    assert launcher["docker"]["image"] == IMAGE
+    assert launcher["auth"] == {"ssh_user": "ops", "ssh_private_key": "~/.ssh/embedfleet"}
+    assert launcher["cluster_name"] == "emb-prod"
+    # The launcher has no selector concept: nowhere in the data, said so in the header.
+    assert "huawei-Ascend910" not in yaml.safe_dump(launcher)
+    assert "node_selector is not applied" in text
+    assert "EXAMPLE" not in text and "192.0.2." not in text
+
+
+def test_head_node_selector_can_free_the_head_from_card_nodes():
+    cfg = parse_config(_ascend_data(image=IMAGE, node_selector={"accelerator": "ascend"},
+                                    head_node_selector={}))
+    head, worker = _pods(rayservice_manifest(cfg, cluster_spec(cfg)))
+    assert "nodeSelector" not in head
+    assert worker["nodeSelector"] == {"accelerator": "ascend"}
+
+
+def test_cards_per_node_from_the_config_sizes_the_workers():
+    cfg = parse_config(_ascend_data(image=IMAGE, cards_per_node=4))
+    svc = rayservice_manifest(cfg, cluster_spec(cfg))
+    group = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert group["maxReplicas"] == 2  # 8 replicas over 4-card nodes
+    assert group["rayStartParams"]["resources"] == '"{\\"NPU\\": 4}"'
+
+
+def test_a_config_with_a_cluster_section_still_renders_a_serve_config_that_round_trips(
+        cluster_config):
+    cfg = load_config(cluster_config)
+    served = serve_config(cfg)
+    ServeDeploySchema.model_validate(served)
+    assert config_from_serve_yaml(render_yaml(cfg)) == cfg
+
+
+def test_flags_override_the_config_rayservice(capsys, cluster_config):
+    code, out, _ = _render(capsys, "--config", str(cluster_config), "--kuberay",
+                           "--image", "registry.local:5000/emb:2",
+                           "--node-selector", "pool=embeddings",
+                           "--node-selector", "accelerator=huawei-Ascend910B")
+    assert code == 0
+    head, worker = _pods(yaml.safe_load(out))
+    assert {c["image"] for c in head["containers"] + worker["containers"]} == {
+        "registry.local:5000/emb:2"}
+    # Merged key by key over the config's selector; the flag wins on a shared key.
+    assert worker["nodeSelector"] == {"accelerator": "huawei-Ascend910B",
+                                      "node.kubernetes.io/instance-type": "a2",
+                                      "pool": "embeddings"}
+
+
+def test_flags_override_the_config_launcher(capsys, cluster_config):
+    code, out, _ = _render(capsys, "--config", str(cluster_config), "--ray-cluster",
+                           "--head-address", "head.lab.internal",
+                           "--worker-address", "10.1.0.2", "--worker-address", "10.1.0.3")
+    assert code == 0
+    provider = yaml.safe_load(out)["provider"]
+    assert provider["head_ip"] == "head.lab.internal"
+    assert provider["worker_ips"] == ["10.1.0.2", "10.1.0.3"]  # replaces the config's list
+
+
+def test_flags_alone_give_a_complete_launcher(capsys):
+    code, out, _ = _render(capsys, "--config", str(ASCEND_910B_CONFIG), "--ray-cluster",
+                           "--image", IMAGE, "--head-address", "10.0.0.1",
+                           "--worker-address", "10.0.0.2")
+    assert code == 0
+    launcher = yaml.safe_load(out)
+    assert (launcher["docker"]["image"], launcher["provider"]["head_ip"],
+            launcher["provider"]["worker_ips"]) == (IMAGE, "10.0.0.1", ["10.0.0.2"])
+    assert "EXAMPLE" not in out and "example.com" not in out
+
+
+@pytest.mark.parametrize("kind, needs", [
+    ("--kuberay", ["--image", "cluster.image"]),
+    ("--ray-cluster", ["--image", "cluster.image", "--head-address", "cluster.head_address",
+                       "--worker-address", "cluster.worker_addresses"]),
+])
+def test_missing_values_are_refused_not_made_up(capsys, kind, needs):
+    code, out, err = _render(capsys, "--config", str(ASCEND_910B_CONFIG), kind)
+    assert code == 2 and out == ""
+    for word in needs + ["--example"]:
+        assert word in err
+    with pytest.raises(ConfigError, match="cluster.image"):
+        render_rayservice(ASCEND)
+
+
+def test_launcher_without_head_only_names_what_is_missing(capsys):
+    code, out, err = _render(capsys, "--config", str(ASCEND_910B_CONFIG), "--ray-cluster",
+                             "--image", IMAGE, "--worker-address", "10.0.0.2")
+    assert code == 2 and out == ""
+    assert "--head-address" in err and "cluster.image" not in err
+
+
+@pytest.mark.parametrize("kind, example", [("--kuberay", "rayservice-910b.yaml"),
+                                           ("--ray-cluster", "ray-cluster-910b.yaml")])
+def test_example_flag_renders_the_checked_in_examples(capsys, kind, example):
+    code, out, _ = _render(capsys, "--config", str(ASCEND_910B_CONFIG), kind, "--example")
+    assert code == 0
+    assert out == (EXAMPLES_DIR / example).read_text()
+    assert out.splitlines()[1].startswith("# EXAMPLE (rendered with --example)")
+    assert EXAMPLE_IMAGE in out
+
+
+def test_example_fills_only_the_gaps(cluster_config):
+    cfg = load_config(cluster_config)
+    assert cluster_spec(cfg, example=True).placeholders == ()
+    spec = cluster_spec(ASCEND, image=IMAGE, example=True)
+    assert spec.image == IMAGE and spec.placeholders == ("head_ip", "worker_ips")
+    text = render_rayservice(ASCEND, spec)
+    assert "EXAMPLE" not in text  # the RayService carries none of the placeholders
+
+
+@pytest.mark.parametrize("cluster, field, value", [
+    ({"node_selector": {"Bad Key!": "x"}}, "node_selector", "'Bad Key!'"),
+    ({"node_selector": {"Example.COM/pool": "a"}}, "node_selector", "'Example.COM/pool'"),
+    ({"node_selector": {"pool": "not a value"}}, "node_selector", "'not a value'"),
+    ({"head_node_selector": {"-pool": "a"}}, "head_node_selector", "'-pool'"),
+    ({"image": "Registry/Embedfleet Ascend"}, "image", "'Registry/Embedfleet Ascend'"),
+    ({"head_address": ""}, "head_address", "''"),
+    ({"head_address": "http://10.0.0.1:6379"}, "head_address", "'http://10.0.0.1:6379'"),
+    ({"worker_addresses": ["10.0.0.2", "10.0.0 .3"]}, "worker_addresses[1]", "'10.0.0 .3'"),
+    ({"worker_addresses": ["10.0.0.2", "10.0.0.2"]}, "worker_addresses", "'10.0.0.2'"),
+    ({"head_address": "10.0.0.2", "worker_addresses": ["10.0.0.2"]}, "head_address",
+     "'10.0.0.2'"),
+    ({"name": "Emb_Prod"}, "cluster.name", "'Emb_Prod'"),
+    ({"cards_per_node": 0}, "cluster.cards_per_node", "0"),
+    ({"imagee": IMAGE}, "cluster.imagee", IMAGE),
+])
+def test_invalid_cluster_section_fails_at_load_naming_field_and_value(tmp_path, cluster, field,
+                                                                      value):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_ascend_data(**cluster)))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "cluster" in message and field in message and value in message, message
+
+
+@pytest.mark.parametrize("argv, flag, value", [
+    (["--kuberay", "--node-selector", "Bad Key!=x"], "--node-selector", "'Bad Key!'"),
+    (["--kuberay", "--node-selector", "pool"], "--node-selector", "'pool'"),
+    (["--kuberay", "--image", "Not An Image"], "--image", "'Not An Image'"),
+    (["--ray-cluster", "--head-address", ""], "--head-address", "''"),
+    (["--ray-cluster", "--worker-address", "10.0.0.2:22"], "--worker-address", "'10.0.0.2:22'"),
+])
+def test_bad_flag_values_exit_2_naming_flag_and_value(capsys, argv, flag, value):
+    code, out, err = _render(capsys, "--config", str(ASCEND_910B_CONFIG), *argv)
+    assert code == 2 and out == ""
+    assert f"argument {flag}: " in err and value in err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--kuberay", "--image", IMAGE, "--head-address", "10.0.0.1"], "--head-address"),
+    (["--kuberay", "--image", IMAGE, "--worker-address", "10.0.0.2"], "--worker-address"),
+    (["--ray-cluster", "--example", "--node-selector", "a=b"], "--node-selector"),
+    (["--image", IMAGE], "--image"),
+    (["--example"], "--example"),
+])
+def test_flags_for_another_manifest_are_refused_not_ignored(capsys, argv, flag):
+    code, out, err = _render(capsys, "--config", str(ASCEND_910B_CONFIG), *argv)
+    assert code == 2 and out == ""
+    assert f"{flag} applies to" in err
+
+
+def test_flags_merged_with_the_config_are_checked_together(capsys, cluster_config):
+    code, out, err = _render(capsys, "--config", str(cluster_config), "--ray-cluster",
+                             "--head-address", "10.0.0.2")  # a worker of the config
+    assert code == 2 and out == ""
+    assert "'10.0.0.2' is also in worker_addresses" in err
+
+
+def test_launcher_refuses_fewer_cards_than_min_replicas():
+    cfg = _with_replicas(12, 16)
+    spec = cluster_spec(cfg, image=IMAGE, head_address="10.0.0.1", worker_addresses=["10.0.0.2"])
+    with pytest.raises(ConfigError, match="1 worker address.* 8 cards .* 12"):
+        cluster_launcher_config(cfg, spec)
+
+
+def test_rayservice_refuses_a_name_kuberay_would_reject():
+    cfg = parse_config({**_ascend_data(image=IMAGE), "app_name": "Embed_Fleet"})
+    with pytest.raises(ConfigError, match="cluster.name"):
+        rayservice_manifest(cfg, cluster_spec(cfg))
+
+
+def test_image_requirements_name_the_pinned_cann():
+    """The image's CANN is the pinned vllm-ascend's (deployments/ascend_release.py), not the
+    seed's 8.1.RC1, in the rendered headers and the examples' README alike."""
+    from deployments import ascend_release
+
+    assert CANN_VERSION == ascend_release.CANN_VERSION
+    wanted = f"CANN {CANN_VERSION} (what vllm-ascend {ascend_release.VLLM_ASCEND_VERSION} requires)"
+    for name in ("ray-cluster-910b.yaml", "rayservice-910b.yaml", "README.md"):
+        text = " ".join((EXAMPLES_DIR / name).read_text().replace("# ", "").split())
+        assert wanted in text and "8.1.RC1" not in text, name

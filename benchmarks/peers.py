@@ -90,7 +90,8 @@ class VllmInProcessPeer:
         from deployments.engine import VllmEmbeddingEngine
         from deployments.long_input import SpecialTokens
 
-        self.engine = VllmEmbeddingEngine(dict(self.engine_kwargs))
+        # bare: vLLM's own stat loggers (engine_counters reads them), no embedfleet probes
+        self.engine = VllmEmbeddingEngine(dict(self.engine_kwargs), observed=False)
         self._special = SpecialTokens.from_tokenizer(self.engine.hf_tokenizer)
 
     async def embed(self, texts: list[str], workload: Workload) -> list[np.ndarray]:

@@ -92,13 +92,15 @@ class VllmEmbeddingEngine:
 
     engine_kwargs: dict[str, Any]
     engine_version: str = ""
+    observed: bool = True
+    """False: no embedfleet stat loggers or memory probe (a bare engine, for the bench)."""
     _llm: Any = field(init=False, repr=False)
     info: EngineInfo = field(init=False)
 
     def __post_init__(self) -> None:
         t0 = time.monotonic()
         self.kv = vllm_api.KvUsageTracker()
-        self._llm = vllm_api.start_engine(self.engine_kwargs, self.kv)
+        self._llm = vllm_api.start_engine(self.engine_kwargs, self.kv if self.observed else None)
         self._tokenizer = vllm_api.tokenizer(self._llm)
         self.hf_tokenizer = self._tokenizer
         view = vllm_api.model_view(self._llm)

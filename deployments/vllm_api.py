@@ -213,11 +213,14 @@ WORKER_EXTENSION = "deployments.vllm_api.MemoryProbeExtension"
 PROBE_METHOD = "embedfleet_memory_probe"
 
 
-def start_engine(engine_kwargs: dict[str, Any], tracker: KvUsageTracker) -> Any:
-    """An ``AsyncLLM`` in pooling mode, with embedfleet's stat loggers and memory probe."""
+def start_engine(engine_kwargs: dict[str, Any], tracker: KvUsageTracker | None) -> Any:
+    """An ``AsyncLLM`` in pooling mode, with embedfleet's stat loggers and memory probe; with
+    ``tracker=None`` a bare one (vLLM's own loggers only: the bench's engine-limit peer)."""
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    if tracker is None:
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
     args = AsyncEngineArgs(**engine_kwargs, worker_extension_cls=WORKER_EXTENSION)
     llm = AsyncLLM.from_engine_args(
         args, stat_loggers=[ray_stat_logger(), stat_logger_factory(tracker)])

@@ -67,7 +67,7 @@ async def run_vllm(texts: list[str], batch: int, concurrency: int, config: str |
 
     cfg = load_config(config)
     m = cfg.models[0]
-    engine = VllmEmbeddingEngine(cfg.engine_kwargs(m, enable_prefix_caching=False))
+    engine = VllmEmbeddingEngine(cfg.engine_kwargs(m, enable_prefix_caching=False), observed=False)
     try:
         async def send(b: list[str]) -> int:
             ids = engine.tokenize(b)

@@ -25,9 +25,9 @@ $(PY):
 
 ifneq (,$(findstring ascend,$(EXTRAS)))
 # Ascend: vLLM and vllm-ascend are built from source the way vllm-ascend's install guide does it
-# (CANN 9.1.0 required; versions from deployments/ascend_release.py). None of the CPU-only steps
+# (CANN 9.1.0 required; versions from deployments/engine/ascend_release.py). None of the CPU-only steps
 # below: vllm-ascend itself needs torchvision and torchaudio.
-$(STAMP): pyproject.toml cluster/install_ascend.sh deployments/ascend_release.py | $(PY)
+$(STAMP): pyproject.toml cluster/install_ascend.sh deployments/engine/ascend_release.py | $(PY)
 	EXTRAS='$(EXTRAS)' bash cluster/install_ascend.sh $(PY)
 	touch $(STAMP)
 else

@@ -3,7 +3,7 @@
     embedfleet bench --quick                                  # smoke test: every peer, tiny sizes
     embedfleet bench --peers vllm,vllm-serve,infinity         # no cluster needed
     embedfleet bench --repeats 5 --workloads short,mixed      # more repeats, fewer workloads
-    python -m benchmarks.bench ...                            # the same without the CLI
+    python -m embedfleet.benchmarks.bench ...                            # the same without the CLI
 
 Peers (benchmarks/peers.py, benchmarks/embedfleet_peer.py): `vllm` (AsyncLLM in-process, the
 engine's limit), `vllm-serve` (vLLM's OpenAI server), `infinity` (Infinity from .venv-infinity;
@@ -34,9 +34,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report as rpt
-from benchmarks.load_driver import batch_size, describe_error, timed_run, warm_up
-from benchmarks.workloads import FULL, NAMES, QUICK, Workload, build
+from embedfleet.benchmarks import report as rpt
+from embedfleet.benchmarks.load_driver import batch_size, describe_error, timed_run, warm_up
+from embedfleet.benchmarks.workloads import FULL, NAMES, QUICK, Workload, build
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -108,8 +108,8 @@ def machine_info(cores: list[int]) -> dict[str, Any]:
     import torch
     import vllm
 
-    from benchmarks.embedfleet_peer import ray_ports_taken
-    from benchmarks.peers import infinity_version
+    from embedfleet.benchmarks.embedfleet_peer import ray_ports_taken
+    from embedfleet.benchmarks.peers import infinity_version
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
                 if ln.startswith("model name")), platform.processor())
@@ -133,8 +133,8 @@ def _read(path: str) -> str:
 
 
 def make_peers(args: argparse.Namespace, cfg: Any, out: Path) -> list[Any]:
-    from benchmarks.embedfleet_peer import EmbedfleetPeer
-    from benchmarks.peers import InfinityPeer, VllmInProcessPeer, VllmServePeer
+    from embedfleet.benchmarks.embedfleet_peer import EmbedfleetPeer
+    from embedfleet.benchmarks.peers import InfinityPeer, VllmInProcessPeer, VllmServePeer
 
     m = cfg.models[0]
     # Exactly what benchmarks/throughput.py run_vllm does; MiniLM is bidirectional, so
@@ -154,7 +154,7 @@ def make_peers(args: argparse.Namespace, cfg: Any, out: Path) -> list[Any]:
 async def start_peers(peers: list[Any], console: Any) -> dict[str, dict[str, Any]]:
     """Start every peer at once (their start-ups overlap; nothing is timed yet). Each gets a
     status: ok, skipped (cannot run here, with what to do) or failed (with the error)."""
-    from benchmarks.peers import PeerUnavailable
+    from embedfleet.benchmarks.peers import PeerUnavailable
 
     async def one(p: Any) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -250,9 +250,9 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
     )
     from transformers import AutoTokenizer
 
-    from benchmarks.embedfleet_peer import bench_config
-    from benchmarks.prefix_cache_bench import run_prefix_cache
-    from deployments.config import load_config
+    from embedfleet.benchmarks.embedfleet_peer import bench_config
+    from embedfleet.benchmarks.prefix_cache_bench import run_prefix_cache
+    from embedfleet.deployments.config import load_config
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     machine = machine_info(args.core_list)  # before the run: the load average says how idle
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from benchmarks.peers import cpu_env
+    from embedfleet.benchmarks.peers import cpu_env
 
     os.environ.update(cpu_env(args.core_list))
     from rich.console import Console

@@ -1,9 +1,9 @@
 """Chaos and soak: mixed load against a running embedfleet cluster while faults are injected.
 
-    python -m benchmarks.chaos --duration 120 --concurrency 4 --fault-every 30 \\
+    python -m embedfleet.benchmarks.chaos --duration 120 --concurrency 4 --fault-every 30 \\
         --faults kill-replica,kill-engine,stop-prometheus
-    python -m benchmarks.chaos --soak --config my-cluster.yaml   # 10 min, a fault every minute
-    python -m benchmarks.chaos --duration 30 --rps 20 --faults none  # load only
+    python -m embedfleet.benchmarks.chaos --soak --config my-cluster.yaml   # 10 min, a fault every minute
+    python -m embedfleet.benchmarks.chaos --duration 30 --rps 20 --faults none  # load only
 
 Faults, taken in turn on the schedule (the first after one period, as warm-up):
   kill-replica     ray.kill() a random Serve replica actor of an `engine-*` deployment
@@ -33,20 +33,20 @@ from typing import Any
 
 # Options, orchestration and the command live here; the faults in chaos_faults, the load and its
 # report in chaos_load. Their names are re-exported because tests import them from here.
-from benchmarks.chaos_faults import (ENGINE_REPLICA, FAULT_KINDS, Cluster, engine_core_pids,
+from embedfleet.benchmarks.chaos_faults import (ENGINE_REPLICA, FAULT_KINDS, Cluster, engine_core_pids,
                                      engine_replicas, fault_schedule, inject_faults, parse_faults,
                                      process_role)
-from benchmarks.chaos_load import (MAX_CONCURRENCY, MAX_DURATION_S, MAX_REQUESTS, MAX_RPS, Tally,
+from embedfleet.benchmarks.chaos_load import (MAX_CONCURRENCY, MAX_DURATION_S, MAX_REQUESTS, MAX_RPS, Tally,
                                    build_report, classify, memory_growth, mixed_request,
                                    percentile, run_load, summary)
 
 __all__ = [
     # this module: options, orchestration, the command
     "RESULTS", "DEFAULTS", "SOAK", "check_loopback", "resolve_options", "run", "drive", "main",
-    # benchmarks.chaos_faults
+    # embedfleet.benchmarks.chaos_faults
     "FAULT_KINDS", "ENGINE_REPLICA", "parse_faults", "fault_schedule", "engine_replicas",
     "process_role", "engine_core_pids", "Cluster",
-    # benchmarks.chaos_load
+    # embedfleet.benchmarks.chaos_load
     "MAX_DURATION_S", "MAX_REQUESTS", "MAX_CONCURRENCY", "MAX_RPS", "percentile", "classify",
     "mixed_request", "Tally", "memory_growth", "build_report", "summary",
 ]

@@ -67,7 +67,7 @@ class Cluster:
     """Finds Serve actors through Ray's state API and injects the faults."""
 
     def __init__(self, config: str | None, rng: random.Random) -> None:
-        from cluster.local import ensure_token_auth
+        from embedfleet.cluster.local import ensure_token_auth
 
         ensure_token_auth()  # a Ray client without RAY_AUTH_MODE=token is refused
         self.config = config
@@ -86,7 +86,7 @@ class Cluster:
     def actors(self) -> list[dict[str, Any]]:
         from ray.util.state import list_actors
 
-        from cluster.local import dashboard_url
+        from embedfleet.cluster.local import dashboard_url
 
         # Through the local dashboard's state API: listing needs no driver connection (ray.init
         # is only for ray.kill), so a load-only run stays light.
@@ -145,7 +145,7 @@ class Cluster:
         return f"EngineCore pid {pids[0]} of {a['name']}"
 
     def stop_prometheus(self) -> str:
-        from cluster.monitoring_stack import stop_monitoring
+        from embedfleet.cluster.monitoring_stack import stop_monitoring
 
         if not stop_monitoring():
             # not ours or not running: nothing to restart later either
@@ -154,8 +154,8 @@ class Cluster:
         return "stopped"
 
     def start_prometheus(self) -> str:
-        from cluster.monitoring_stack import start_monitoring
-        from deployments.config import load_config
+        from embedfleet.cluster.monitoring_stack import start_monitoring
+        from embedfleet.deployments.config import load_config
 
         url = start_monitoring(load_config(self.config))
         self.prometheus_stopped = False

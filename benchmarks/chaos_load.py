@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from benchmarks.throughput import WORDS
+from embedfleet.benchmarks.throughput import WORDS
 
 # Hard ceilings: a mistyped flag must not turn a test into an unbounded flood.
 MAX_DURATION_S = 3600
@@ -150,7 +150,7 @@ def build_report(opts: dict[str, Any], tally: Tally, wall_s: float, faults: list
         return None if v is None else round(1000 * v, 1)
 
     return {
-        "tool": "benchmarks.chaos", "options": opts, "wall_s": round(wall_s, 1),
+        "tool": "embedfleet.benchmarks.chaos", "options": opts, "wall_s": round(wall_s, 1),
         "requests": {"sent": tally.sent, "succeeded": succeeded,
                      "failed": sum(failed.values()), "failed_by_status": failed,
                      "success_ratio": round(succeeded / tally.sent, 5) if tally.sent else None,

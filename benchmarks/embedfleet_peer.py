@@ -21,8 +21,8 @@ from urllib.parse import urlparse
 
 import yaml
 
-from benchmarks.peers import OpenAIHttpPeer, PeerUnavailable, cpu_env, port_in_use
-from benchmarks.workloads import Workload
+from embedfleet.benchmarks.peers import OpenAIHttpPeer, PeerUnavailable, cpu_env, port_in_use
+from embedfleet.benchmarks.workloads import Workload
 
 UP_TIMEOUT_S = 1500  # Ray head + Serve + one engine's cold start on 2 cores
 DOWN_TIMEOUT_S = 300
@@ -42,7 +42,7 @@ def bench_config(base: Any, url: str) -> Any:
 
 
 def write_bench_config(cfg: Any, path: Path) -> Path:
-    from deployments.config import config_to_data, parse_config
+    from embedfleet.deployments.config import config_to_data, parse_config
 
     data = config_to_data(cfg)
     parse_config(data, str(path))  # what `embedfleet up --config` will load must validate
@@ -69,7 +69,7 @@ def ray_ports_taken() -> list[str]:
 
     `embedfleet up` would join a running head, and `embedfleet down` stops whatever head runs on
     this machine: starting a bench cluster beside someone else's Ray would end theirs."""
-    from deployments.settings import settings
+    from embedfleet.deployments.settings import settings
 
     s = settings()
     return [f"{host}:{port}" for port in (s.ray_port, s.dashboard_port)
@@ -183,7 +183,7 @@ class EmbedfleetPeer(OpenAIHttpPeer):
                 "model": self.model,
                 "cluster": self.origin,
                 "cores": self.cores if self.config_path.exists()
-                else "the running cluster's own binding (deployments/platform.py)",
+                else "the running cluster's own binding (deployments/engine/platform.py)",
                 "config": str(self.config_path) if self.config_path.exists() else None,
                 "replicas_ready": replicas.get("ready"),
                 "one_replica": replicas.get("ready") == 1,

@@ -1,13 +1,13 @@
 """SIMULATION — the real memory governor on a simulated 64 GB 910B card with vLLM's reservation.
 
-    python -m benchmarks.governor_sim [--json] [--seed 0] [--surge 400]
+    python -m embedfleet.benchmarks.governor_sim [--json] [--seed 0] [--surge 400]
 
 Nothing here touches a card. What is simulated is the card and the engine; what runs is
 embedfleet's own code, on a virtual clock (``VirtualClockLoop``):
 
 * ``AdmissionBudget`` — the replica's admission of sequences and tokens (the actuator);
 * ``LimitsFollower`` — reads the engine's memory probe, computes the live ratio
-  (``deployments.card_memory``) and pulls the card's limits;
+  (``embedfleet.deployments.engine.card_memory``) and pulls the card's limits;
 * ``MemoryGovernor`` — its control loop and law, reading the card through a ``ReadingSource``
   that plays Prometheus (the latest exported terms, scraped every 5 s);
 * ``KvUsageTracker`` — the in-step KV peak from the engine's per-step statistics.
@@ -37,16 +37,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.budget import AdmissionBudget
-from deployments.card_memory import live_pressure
-from deployments.config import load_config
-from deployments.engine import EngineMemory
-from deployments.engine_gate import EngineGate
-from deployments.errors import Overloaded
-from deployments.governor import MemoryGovernor
-from deployments.limits_follower import LimitsFollower
-from deployments.vllm_api import KvUsageTracker
-from cluster.memory_queries import CardReading
+from embedfleet.deployments.request_path.admission import AdmissionBudget
+from embedfleet.deployments.engine.card_memory import live_pressure
+from embedfleet.deployments.config import load_config
+from embedfleet.deployments.engine.vllm_engine import EngineMemory
+from embedfleet.deployments.engine.gate import EngineGate
+from embedfleet.deployments.errors import Overloaded
+from embedfleet.deployments.control.governor import MemoryGovernor
+from embedfleet.deployments.control.limits import LimitsFollower
+from embedfleet.deployments.engine.vllm_api import KvUsageTracker
+from embedfleet.deployments.control.memory_queries import CardReading
 
 GiB = 1 << 30
 KiB = 1 << 10

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from benchmarks.workloads import Workload
+from embedfleet.benchmarks.workloads import Workload
 
 ROOT = Path(__file__).resolve().parent.parent
 INFINITY_VENV = ROOT / ".venv-infinity"
@@ -61,7 +61,7 @@ class Peer(Protocol):
 
 
 def cpu_env(cores: list[int]) -> dict[str, str]:
-    """vLLM CPU thread binding, as an embedfleet replica sets it (deployments/platform.py)."""
+    """vLLM CPU thread binding, as an embedfleet replica sets it (deployments/engine/platform.py)."""
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
@@ -71,7 +71,7 @@ class VllmInProcessPeer:
     """``VllmEmbeddingEngine`` with the config's engine kwargs, as benchmarks/throughput.py uses it.
 
     For the ``long`` workload it plans windows with embedfleet's own long-input code
-    (``deployments.long_input.plan``/``merge_planned``) and the model's config policy in ``chunk``
+    (``embedfleet.deployments.request_path.long_input.plan``/``merge_planned``) and the model's config policy in ``chunk``
     mode, so its vectors must equal embedfleet's; it is the engine-limit reference there.
     """
 
@@ -87,8 +87,8 @@ class VllmInProcessPeer:
         return None
 
     async def start(self) -> None:
-        from deployments.engine import VllmEmbeddingEngine
-        from deployments.long_input import SpecialTokens
+        from embedfleet.deployments.engine.vllm_engine import VllmEmbeddingEngine
+        from embedfleet.deployments.request_path.long_input import SpecialTokens
 
         # bare: vLLM's own stat loggers (engine_counters reads them), no embedfleet probes
         self.engine = VllmEmbeddingEngine(dict(self.engine_kwargs), observed=False)
@@ -101,7 +101,7 @@ class VllmInProcessPeer:
         if not workload.chunked:
             return [e.vector for e in await self.engine.embed(ids, request_id=rid)]
         plans = prechunk(ids, self.engine.info.max_model_len, self.long_policy, self._special)
-        from deployments.long_input import flatten, merge_planned
+        from embedfleet.deployments.request_path.long_input import flatten, merge_planned
 
         out = await self.engine.embed(flatten(plans), request_id=rid)
         return merge_planned(plans, [e.vector for e in out], self.engine.info.normalizes)
@@ -144,7 +144,7 @@ class VllmInProcessPeer:
 
 def prechunk(token_ids: list[list[int]], max_len: int, policy: Any, special: Any) -> list[Any]:
     """embedfleet's chunk plan for each tokenised document (``policy`` forced to ``chunk``)."""
-    from deployments.long_input import plan
+    from embedfleet.deployments.request_path.long_input import plan
 
     chunking = policy.model_copy(update={"mode": "chunk"})
     return [plan(ids, max_len, chunking, special, what=f"input[{i}]")

@@ -1,9 +1,9 @@
 """Throughput: embedfleet over HTTP vs. bare vLLM in-process, on the same texts and batching.
 
-    python -m benchmarks.throughput --mode vllm          # the engine's own limit (no cluster)
-    python -m benchmarks.throughput --mode http          # against a running `embedfleet up`
-    python -m benchmarks.throughput --mode both          # vllm first, then http (cluster up)
-    python -m benchmarks.throughput --mode long --model tiny-qwen3   # 32K-token inputs, chunked,
+    python -m embedfleet.benchmarks.throughput --mode vllm          # the engine's own limit (no cluster)
+    python -m embedfleet.benchmarks.throughput --mode http          # against a running `embedfleet up`
+    python -m embedfleet.benchmarks.throughput --mode both          # vllm first, then http (cluster up)
+    python -m embedfleet.benchmarks.throughput --mode long --model tiny-qwen3   # 32K-token inputs, chunked,
                                                                      # vs short inputs, over HTTP
 
 A seeded workload of mixed-length texts is sent in fixed batches with fixed concurrency; warm-up is
@@ -48,8 +48,8 @@ def summarize(name: str, latencies: list[float], wall: float, texts: int,
 
 async def _drive(batches: list[list[str]], concurrency: int, send) -> tuple[list[float], float,
                                                                             int]:
-    """benchmarks.load_driver.drive, also summing the token counts ``send`` returns."""
-    from benchmarks.load_driver import drive
+    """embedfleet.benchmarks.load_driver.drive, also summing the token counts ``send`` returns."""
+    from embedfleet.benchmarks.load_driver import drive
 
     tokens = 0
 
@@ -62,8 +62,8 @@ async def _drive(batches: list[list[str]], concurrency: int, send) -> tuple[list
 
 
 async def run_vllm(texts: list[str], batch: int, concurrency: int, config: str | None) -> dict:
-    from deployments.config import load_config
-    from deployments.engine import VllmEmbeddingEngine
+    from embedfleet.deployments.config import load_config
+    from embedfleet.deployments.engine.vllm_engine import VllmEmbeddingEngine
 
     cfg = load_config(config)
     m = cfg.models[0]

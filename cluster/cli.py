@@ -9,13 +9,15 @@ import sys
 import time
 from typing import Any
 
-from cluster import doctor, local, verify
-from cluster.monitoring_stack import start_monitoring, stop_monitoring
-from cluster.render import load_serve_yaml, render_yaml, serve_config
-from deployments.config import ConfigError, EmbedfleetConfig, load_config
-from deployments.options import REGISTRY_NAME, engine_deployment_name
-from deployments.placement import card_counts, pending_replica_actors, waiting_message
-from deployments.settings import settings
+from embedfleet.cluster import doctor, local
+
+from embedfleet.cluster.verify import command as verify
+from embedfleet.cluster.monitoring_stack import start_monitoring, stop_monitoring
+from embedfleet.cluster.render import load_serve_yaml, render_yaml, serve_config
+from embedfleet.deployments.config import ConfigError, EmbedfleetConfig, load_config
+from embedfleet.deployments.options import REGISTRY_NAME, engine_deployment_name
+from embedfleet.deployments.control.placement import card_counts, pending_replica_actors, waiting_message
+from embedfleet.deployments.settings import settings
 
 
 def _config(args: argparse.Namespace) -> EmbedfleetConfig:
@@ -86,7 +88,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     local.stop_head()
     print("stopped the local Ray head (and Serve with it)")
     time.sleep(2)  # replicas' reapers kill their engines within a second of the replica's death
-    from deployments.reaper import sweep_orphans
+    from embedfleet.deployments.engine.reaper import sweep_orphans
 
     if n := sweep_orphans():
         print(f"killed {n} orphaned engine process(es)")
@@ -114,7 +116,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} applies to "
                               f"{' / '.join('--' + k.replace('_', '-') for k in kinds)} only{why}")
     if args.kuberay or args.ray_cluster:
-        from cluster.manifests import cluster_spec, render_cluster_launcher, render_rayservice
+        from embedfleet.cluster.manifests import cluster_spec, render_cluster_launcher, render_rayservice
 
         if cfg.platform.kind != "ascend":
             raise ConfigError(f"--kuberay/--ray-cluster render 910B manifests; this config has "
@@ -223,7 +225,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from benchmarks.bench import main as bench_main  # vLLM and matplotlib only when benchmarking
+    from embedfleet.benchmarks.bench import main as bench_main  # vLLM and matplotlib only when benchmarking
 
     return bench_main(args.bench_args)
 
@@ -286,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a KubeRay RayService manifest instead (ascend configs)")
     kind.add_argument("--ray-cluster", action="store_true",
                       help="a Ray cluster-launcher YAML for 910B nodes instead (ascend configs)")
-    from cluster.manifests import address_flag, image_flag, node_selector_flag
+    from embedfleet.cluster.manifests import address_flag, image_flag, node_selector_flag
 
     # Overrides of the config's `cluster` section; without an image (and, for --ray-cluster,
     # head and worker addresses) from either, the render is refused unless --example.
@@ -317,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_parser(sub)
     doctor.add_parser(sub)
     # prefix_chars="+": `bench` has no options of its own, so every --flag (and --help) reaches
-    # benchmarks.bench's parser untouched.
+    # embedfleet.benchmarks.bench's parser untouched.
     bench = sub.add_parser("bench", help="compare embedfleet with vLLM and Infinity "
                            "(`embedfleet bench --help`)", add_help=False, prefix_chars="+")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -19,10 +19,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from deployments import ascend_checks, ascend_release
-from deployments.config import (ConfigError, EmbedfleetConfig, ModelConfig, parse_config,
+from embedfleet.deployments.engine import ascend_checks, ascend_release
+from embedfleet.deployments.config import (ConfigError, EmbedfleetConfig, ModelConfig, parse_config,
                                 signal_floor_problems)
-from deployments.vllm_api import stack_versions
+from embedfleet.deployments.engine.vllm_api import stack_versions
 
 CPU_IMPORT_BREAKERS = ("torchvision", "torchaudio", "torchcodec")
 
@@ -70,8 +70,8 @@ def effective_block_size(kind: str, configured: int, prefix_cache: bool | None,
 
 
 def _model(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str, Any]:
-    from deployments.platform import platform_facts
-    from deployments.prefix_cache_policy import PrefixCacheRefused, evaluate, resolve
+    from embedfleet.deployments.engine.platform import platform_facts
+    from embedfleet.deployments.engine.prefix_cache_policy import PrefixCacheRefused, evaluate, resolve
 
     configured = m.engine.block_size or cfg.platform.default_block_size
     out: dict[str, Any] = {"model": m.name, "prefix_cache_setting": m.prefix_cache}
@@ -85,7 +85,7 @@ def _model(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str, Any]:
         out["block_size"], out["block_size_why"] = effective_block_size(
             cfg.platform.kind, configured, None, None)
         return out
-    from deployments.model_facts import read_model_facts
+    from embedfleet.deployments.engine.model_facts import read_model_facts
 
     facts = read_model_facts(model_dir, kv_cache_dtype=m.engine.kv_cache_dtype)
     platform = platform_facts(cfg.platform.kind)
@@ -105,7 +105,7 @@ def _model(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str, Any]:
 
 
 def _governor(cfg: EmbedfleetConfig, timeout_s: float) -> dict[str, Any]:
-    from cluster.memory_queries import PrometheusUnavailable, query_card_ratios
+    from embedfleet.deployments.control.memory_queries import PrometheusUnavailable, query_card_ratios
 
     q = cfg.governor.card_query()
     out: dict[str, Any] = {"preset": cfg.governor.query_preset, "query": q.ratio,
@@ -210,7 +210,7 @@ def render_text(r: Report) -> str:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import yaml
 
-    from deployments.config import DEFAULT_CONFIG_PATH
+    from embedfleet.deployments.config import DEFAULT_CONFIG_PATH
 
     path = args.config or str(DEFAULT_CONFIG_PATH)
     try:

@@ -15,7 +15,7 @@
 #   e. embedfleet itself, editable, with $EXTRAS (default ascend,test).
 #
 # Unlike the CPU path, torchvision/torchaudio are kept: vllm-ascend requires them.
-# Every version, index and hash comes from deployments/ascend_release.py.
+# Every version, index and hash comes from deployments/engine/ascend_release.py.
 #
 # Idempotent: steps b-d each leave a stamp in the venv holding what they installed and are
 # skipped while it matches; step e always runs (the Makefile calls this script only when
@@ -64,7 +64,7 @@ hi = tuple(map(int, re.search(r"<(\d+)\.(\d+)", r["PYTHON_SPEC"]).groups()))
 print(f"PY_OK={int(lo <= sys.version_info[:2] < hi)}")
 print(f"PY_VERSION={'.'.join(map(str, sys.version_info[:3]))}")
 EOF
-)" || die "cannot read deployments/ascend_release.py with $PY"
+)" || die "cannot read deployments/engine/ascend_release.py with $PY"
 eval "$facts"
 SOC="${SOC_VERSION:-$REL_SOC_VERSION}"
 HUAWEI_INDEX="${ASCEND_HUAWEI_INDEX-$REL_HUAWEI_PYPI_INDEX}"
@@ -79,7 +79,7 @@ INDEX_ARGS=()
 
 need_cann="vllm-ascend $REL_VLLM_ASCEND_VERSION needs CANN == $REL_CANN_VERSION with NNAL \
 $REL_NNAL_VERSION (its installation guide; the seed's minimum, 8.1.RC1, is too old for it)"
-# Where set_env.sh points, then the default install roots (as deployments/ascend_checks.py looks).
+# Where set_env.sh points, then the default install roots (as deployments/engine/ascend_checks.py looks).
 arch="$(uname -m)"
 roots=()
 for r in "${ASCEND_TOOLKIT_HOME:-}" "${ASCEND_HOME_PATH:-}" \
@@ -156,7 +156,7 @@ with urllib.request.urlopen(sys.argv[1], timeout=300) as r, open(sys.argv[2], "w
     while chunk := r.read(1 << 20):
         f.write(chunk)
 EOF
-  echo "$sha  $path.part" | sha256sum -c --status || die "$file: sha256 differs from deployments/ascend_release.py ($sha)"
+  echo "$sha  $path.part" | sha256sum -c --status || die "$file: sha256 differs from deployments/engine/ascend_release.py ($sha)"
   mv "$path.part" "$path"
   echo "$path"
 }
@@ -226,7 +226,7 @@ pip install "${INDEX_ARGS[@]}" -e "$ROOT[$EXTRAS]"
 pip check
 
 # What is installed is what the release declares (metadata only: torch-npu is not imported, an
-# import on a half-prepared node is what deployments/ascend_checks.py exists to explain).
+# import on a half-prepared node is what deployments/engine/ascend_checks.py exists to explain).
 "$PY" - "$REL_VLLM_ASCEND_VERSION" "$REL_TORCH" "$REL_TORCH_NPU" "$REL_TRITON_ASCEND" "$REL_TRANSFORMERS" "$REL_VLLM_VERSION" <<'EOF'
 import sys
 from importlib.metadata import version

@@ -6,22 +6,22 @@ Two ways to run the same Serve application on 910B nodes (8 cards each):
   reached over SSH, each running the embedfleet image in Docker. 910B servers are bought, not
   rented from a cloud Ray has a node provider for, so this is Ray's ``local`` provider.
 * ``render_rayservice``: a KubeRay ``RayService`` whose ``serveConfigV2`` is the rendered Serve
-  config (``cluster.render.serve_config``), for Kubernetes with the Ascend device plugin.
+  config (``embedfleet.cluster.render.serve_config``), for Kubernetes with the Ascend device plugin.
 
 In both, the head node advertises no cards (``NPU: 0``) so no engine replica lands on it, and each
 worker advertises its cards as Ray's ``NPU`` resource, the one the engine replicas ask for
-(``deployments.options.card_actor_options``). How many worker nodes follows from the config: the
+(``embedfleet.deployments.options.card_actor_options``). How many worker nodes follows from the config: the
 sum of the models' replica bounds divided by the cards per node.
 
 Where the cluster runs (image, node addresses, node selectors, cards per node) comes from the
-config's ``cluster`` section (``deployments.config.ClusterDeployConfig``), overridden by the
+config's ``cluster`` section (``embedfleet.deployments.config.ClusterDeployConfig``), overridden by the
 ``embedfleet render`` flags; ``cluster_spec`` merges them into an ``AscendClusterSpec``, which also
 holds the facts with sound defaults (pod sizes, device-plugin resource, cache folder). Nothing that
 must be real is guessed: without an image (and, for the launcher, head and worker addresses) the
 render is refused, naming the flag and the config field. ``example=True`` (``render --example``)
 fills the gaps with documentation placeholders (``registry.example.com``, TEST-NET-1 addresses)
 and says so in the header; the checked-in examples under ``cluster/examples/`` are rendered that
-way (``python -m cluster.manifests``).
+way (``python -m embedfleet.cluster.manifests``).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from cluster.render import render_yaml, serve_config
+from embedfleet.cluster.render import render_yaml, serve_config
 # The CANN release the pinned vllm-ascend requires, which the image must carry.
-from deployments.ascend_release import CANN_VERSION, RAY, VLLM_ASCEND_VERSION
-from deployments.platform import ASCEND_ENGINE_ENV
-from deployments.config import ClusterDeployConfig, ConfigError, EmbedfleetConfig, load_config
+from embedfleet.deployments.engine.ascend_release import CANN_VERSION, RAY, VLLM_ASCEND_VERSION
+from embedfleet.deployments.engine.platform import ASCEND_ENGINE_ENV
+from embedfleet.deployments.config import ClusterDeployConfig, ConfigError, EmbedfleetConfig, load_config
 
 # The Ascend stack's ray[serve] pin (the `ascend` extra): head, workers and the image must all
 # run it. Not the CPU stack's 2.60.0, which cannot resolve beside vllm-ascend's fastapi bound.
@@ -57,7 +57,7 @@ METRICS_PORT = 8080
 HF_HOME_IN_CONTAINER = "/models/hf"
 
 # Process environment of the Ascend stack on every node (replicas inherit it from `ray start`):
-# the engine settings replicas also set for themselves (deployments.platform.ASCEND_ENGINE_ENV:
+# the engine settings replicas also set for themselves (embedfleet.deployments.engine.platform.ASCEND_ENGINE_ENV:
 # expandable segments, deterministic kernels for the canary), plus where the weights are.
 # No HCCL_IF_IP / HCCL_SOCKET_IFNAME: a replica holds one card (no tensor parallelism).
 ASCEND_ENV = {
@@ -297,7 +297,7 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
         "file_mounts": {"~/embedfleet": spec.repo_dir},
         "rsync_exclude": [".venv", ".git", "**/__pycache__", ".embedfleet", "benchmarks/results"],
         # The image already carries the heavy pins (vllm-ascend, torch-npu); this installs
-        # embedfleet itself, so `deployments.app:build_app` imports on every node.
+        # embedfleet itself, so `embedfleet.deployments.app:build_app` imports on every node.
         # vllm-ascend and vLLM are built from source (cluster/install_ascend.sh); `make setup`
         # is idempotent, so with the image's stack already built it only installs embedfleet.
         "setup_commands": ["cd ~/embedfleet && make setup EXTRAS=ascend"],
@@ -521,6 +521,6 @@ def write_examples(out_dir: Path = EXAMPLES_DIR) -> list[Path]:
     return written
 
 
-if __name__ == "__main__":  # python -m cluster.manifests: regenerate the examples
+if __name__ == "__main__":  # python -m embedfleet.cluster.manifests: regenerate the examples
     for p in write_examples():
         print(p.relative_to(REPO_ROOT), file=sys.stdout)

@@ -6,8 +6,8 @@ from typing import Any
 
 import yaml
 
-from deployments.config import EmbedfleetConfig, config_to_data, parse_config
-from deployments.options import (
+from embedfleet.deployments.config import EmbedfleetConfig, config_to_data, parse_config
+from embedfleet.deployments.options import (
     RUNTIME_ENV_VARS,
     engine_deployment_options,
     governor_deployment_options,
@@ -15,7 +15,7 @@ from deployments.options import (
     router_deployment_options,
 )
 
-IMPORT_PATH = "deployments.app:build_app"
+IMPORT_PATH = "embedfleet.deployments.app:build_app"
 
 
 def serve_config(cfg: EmbedfleetConfig) -> dict[str, Any]:

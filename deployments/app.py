@@ -1,4 +1,4 @@
-"""Serve application builder: ``import_path: deployments.app:build_app`` with ``args.config``.
+"""Serve application builder: ``import_path: embedfleet.deployments.app:build_app`` with ``args.config``.
 
 The Serve YAML rendered by ``embedfleet render`` points here and carries the whole config as
 ``args.config``; this builder validates it (same schema, same errors) and binds the deployments
@@ -12,17 +12,17 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from deployments.config import ConfigError, EmbedfleetConfig, config_to_data, parse_config
-from deployments.governor import MemoryGovernor
-from deployments.options import (
+from embedfleet.deployments.config import ConfigError, EmbedfleetConfig, config_to_data, parse_config
+from embedfleet.deployments.control.governor import MemoryGovernor
+from embedfleet.deployments.options import (
     engine_deployment_options,
     governor_deployment_options,
     registry_deployment_options,
     router_deployment_options,
 )
-from deployments.registry import FleetRegistry
-from deployments.replica import DEFAULT_ENGINE_FACTORY, EngineReplica
-from deployments.router import Router
+from embedfleet.deployments.control.registry import FleetRegistry
+from embedfleet.deployments.replica import DEFAULT_ENGINE_FACTORY, EngineReplica
+from embedfleet.deployments.api.router import Router
 
 
 def build(cfg: EmbedfleetConfig,

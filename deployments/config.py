@@ -27,10 +27,10 @@ from pydantic import (
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 
-from deployments.governor import GovernorConfig
-from deployments.long_input import LongInputPolicy
-from deployments.prompts import PromptTemplates
-from deployments.prefix_cache_policy import Platform, PrefixCacheSetting  # one definition
+from embedfleet.deployments.control.governor import GovernorConfig
+from embedfleet.deployments.request_path.long_input import LongInputPolicy
+from embedfleet.deployments.request_path.prompts import PromptTemplates
+from embedfleet.deployments.engine.prefix_cache_policy import Platform, PrefixCacheSetting  # one definition
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG_PATH = CONFIG_DIR / "local-cpu.yaml"
@@ -210,7 +210,7 @@ class PlatformProfile(_Strict):
     )
     cpu_card_memory_bytes: PositiveInt = Field(
         default=4 << 30, description="CPU only: capacity of the stand-in card, which holds the "
-        "engine's weights, KV pool and activations (deployments/card_memory.py).")
+        "engine's weights, KV pool and activations (deployments/engine/card_memory.py).")
     card_memory_bytes: PositiveInt | None = Field(
         default=None, description="ascend/cuda: device memory of one card (a 910B: 64 GiB). "
         "Used to refuse a config whose memory signal could never fall below the governor's "
@@ -501,8 +501,8 @@ def load_config(path: str | Path | None = None) -> EmbedfleetConfig:
 def signal_floor_problems(cfg: EmbedfleetConfig) -> list[str]:
     """Models whose card's live memory ratio could not fall below ``governor.params.high`` at
     idle: a governor would hold them at their floor forever (``card_memory.idle_floor``)."""
-    from deployments.card_memory import idle_floor
-    from deployments.fingerprint import weights_bytes
+    from embedfleet.deployments.engine.card_memory import idle_floor
+    from embedfleet.deployments.request_path.fingerprint import weights_bytes
 
     high = cfg.governor.params.high
     out = []

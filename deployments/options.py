@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deployments.config import EmbedfleetConfig, ModelConfig
+from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig
 
 ROUTER_NAME = "Router"
 REGISTRY_NAME = "FleetRegistry"
@@ -28,7 +28,7 @@ def card_actor_options(cfg: EmbedfleetConfig) -> dict[str, Any]:
     """One card per replica: ``{"NPU": 1}`` on Ascend and CPU, ``num_gpus: 1`` on CUDA."""
     if cfg.platform.kind == "cuda" and cfg.platform.card_resource == "GPU":
         return {"num_cpus": 1, "num_gpus": 1}
-    # On CPU the engine's cores are chosen by card (deployments/platform.py), so the replica
+    # On CPU the engine's cores are chosen by card (deployments/engine/platform.py), so the replica
     # reserves no Ray CPU: the NPU resource alone bounds one replica per card.
     num_cpus = 0 if cfg.platform.kind == "cpu" else 1
     return {"num_cpus": num_cpus, "resources": {cfg.platform.card_resource: 1}}

@@ -20,35 +20,35 @@ from typing import Any, Callable
 
 import numpy as np
 
-from deployments import metrics
-from deployments.config import EmbedfleetConfig, ModelConfig, parse_config
-from deployments.engine import Embedding, EmbeddingEngine, EngineInfo
-from deployments.errors import EmbedfleetError, EngineUnavailable
-from deployments.protocol_tei import tokenize_tei
-from deployments.model_facts import read_model_facts
-from deployments.platform import (
+from embedfleet.deployments import metrics
+from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig, parse_config
+from embedfleet.deployments.engine.vllm_engine import Embedding, EmbeddingEngine, EngineInfo
+from embedfleet.deployments.errors import EmbedfleetError, EngineUnavailable
+from embedfleet.deployments.api.tei import tokenize_tei
+from embedfleet.deployments.engine.model_facts import read_model_facts
+from embedfleet.deployments.engine.platform import (
     card_identity,
     platform_facts,
     prepare_ascend_process,
     prepare_cpu_process,
 )
-from deployments.prefix_cache_policy import resolve as resolve_prefix_cache
-from deployments.batching import LengthAwareBatcher
-from deployments.budget import AdmissionBudget
-from deployments.inputs import InputPreparer, PreparedCall
-from deployments.long_input import LongInputPolicy, SpecialTokens
-from deployments.card_memory import CpuCardModel
-from deployments.engine_gate import EngineGate
-from deployments.governor import RayMetricsSink
-from deployments.limits_follower import LimitsFollower
-from deployments.prefix_cache_controller import PrefixCacheController
-from deployments.fingerprint import fingerprint_headers, model_digest
-from deployments import reaper
-from deployments.registry import HEARTBEAT_INTERVAL_S
+from embedfleet.deployments.engine.prefix_cache_policy import resolve as resolve_prefix_cache
+from embedfleet.deployments.request_path.batching import LengthAwareBatcher
+from embedfleet.deployments.request_path.admission import AdmissionBudget
+from embedfleet.deployments.request_path.inputs import InputPreparer, PreparedCall
+from embedfleet.deployments.request_path.long_input import LongInputPolicy, SpecialTokens
+from embedfleet.deployments.engine.card_memory import CpuCardModel
+from embedfleet.deployments.engine.gate import EngineGate
+from embedfleet.deployments.control.governor import RayMetricsSink
+from embedfleet.deployments.control.limits import LimitsFollower
+from embedfleet.deployments.control.prefix_cache import PrefixCacheController
+from embedfleet.deployments.request_path.fingerprint import fingerprint_headers, model_digest
+from embedfleet.deployments.engine import reaper
+from embedfleet.deployments.control.registry import HEARTBEAT_INTERVAL_S
 
 logger = logging.getLogger("embedfleet.replica")
 
-DEFAULT_ENGINE_FACTORY = "deployments.engine:VllmEmbeddingEngine"
+DEFAULT_ENGINE_FACTORY = "embedfleet.deployments.engine.vllm_engine:VllmEmbeddingEngine"
 HEALTH_PROBE_TEXT = "embedfleet health check"
 
 
@@ -105,7 +105,7 @@ class EngineReplica:
         kind = self.cfg.platform.kind
         self.card = card_identity(self.cfg.platform.card_resource, ascend=kind == "ascend")
         if kind == "ascend":
-            from deployments.ascend_checks import assert_ascend_ready
+            from embedfleet.deployments.engine.ascend_checks import assert_ascend_ready
 
             logger.info("Ascend start-up checks passed: %s; engine env %s",
                         assert_ascend_ready(), prepare_ascend_process())

@@ -1,8 +1,8 @@
 """Write (or check) every generated monitoring file: Prometheus rules and config, Grafana JSON
 and provisioning.
 
-    python -m monitoring.generate          # rewrite what changed
-    python -m monitoring.generate --check  # exit 1 and list files that are out of date
+    python -m embedfleet.monitoring.generate          # rewrite what changed
+    python -m embedfleet.monitoring.generate --check  # exit 1 and list files that are out of date
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from monitoring.grafana import dashboard
-from monitoring.prometheus import generate as prometheus
+from embedfleet.monitoring.grafana import dashboard
+from embedfleet.monitoring.prometheus import generate as prometheus
 
 
 def outputs() -> dict[Path, str]:

@@ -7,7 +7,7 @@ the alert and the dashboard all read one definition of, say, "card memory ratio"
 
 from __future__ import annotations
 
-from monitoring import thresholds
+from embedfleet.monitoring import thresholds
 
 # Per model (label: model).
 REQUESTS_RATE = "model:embedfleet_requests:rate5m"
@@ -59,7 +59,7 @@ def live_ratio(used: str, total: str) -> str:
     replicas (the ``embedfleet`` preset) or from npu-exporter / DCGM. The KV and allocator terms
     always come from the replicas. A card whose replica reports no KV term has no result (the
     governor holds it stale) rather than a raw ratio saturated by vLLM's reservation."""
-    # The replica's terms (``deployments.card_memory``), exported per card.
+    # The replica's terms (``embedfleet.deployments.engine.card_memory``), exported per card.
     kv = per_card(ray_gauge("ray_embedfleet_kv_cache_free_bytes"))
     cache = per_card(ray_gauge("ray_embedfleet_allocator_cache_free_bytes"))
     return (f"clamp_min(\n  {used}\n  - on (node, device) {cache}\n"

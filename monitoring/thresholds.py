@@ -1,7 +1,7 @@
 """Every threshold, duration and selector of embedfleet's monitoring, with why it has its value.
 
 Rules, alerts, the dashboard and the promtool tests are built from these names; the memory
-governor's defaults (``cluster.governor_law.GovernorParams``) must agree with the card-memory
+governor's defaults (``embedfleet.deployments.control.governor_law.GovernorParams``) must agree with the card-memory
 band here, and a test checks that they do. Durations are Prometheus duration strings because they
 go straight into rule YAML.
 """

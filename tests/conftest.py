@@ -49,8 +49,8 @@ def write_serve_config() -> Path:
     tests/, so that replica gets the repository root on its PYTHONPATH."""
     import yaml
 
-    from cluster.render import serve_config
-    from deployments.config import load_config
+    from embedfleet.cluster.render import serve_config
+    from embedfleet.deployments.config import load_config
     from tests.support.fault_injectors import ARM_FILE_ENV
 
     cfg = load_config(E2E_CONFIG)
@@ -66,7 +66,7 @@ def write_serve_config() -> Path:
 
 
 def build_tiny_qwen3_model() -> Path:
-    from benchmarks.tiny_qwen3 import build_tiny_qwen3
+    from embedfleet.benchmarks.tiny_qwen3 import build_tiny_qwen3
 
     return build_tiny_qwen3(ROOT / ".cache" / "models" / "tiny-qwen3")
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from deployments import ascend_release
-from deployments.ascend_checks import (
+from embedfleet.deployments.engine import ascend_release
+from embedfleet.deployments.engine.ascend_checks import (
     MIN_CANN,
     MANAGEMENT_DEVICES,
     AscendEnvironment,

@@ -5,7 +5,7 @@ for Python 3.11 on linux x86_64 and aarch64.
 No NPU, no CANN: this runs on the CPU machines (and CI) with PyPI reachable through pip's
 configured index. The two sdists the Ascend install builds from source (vLLM 0.23.0 and
 vllm-ascend 0.23.0.post1) are downloaded once into ``.cache/ascend-sdists/`` and checked against
-the sha256 PyPI's simple API lists and ``deployments/ascend_release.py`` records.
+the sha256 PyPI's simple API lists and ``deployments/engine/ascend_release.py`` records.
 
 * drift: the plugin's requirements are *built from its source* the way its docs install it
   (PEP 517 metadata preparation of the sdist with ``--no-build-isolation``; its ``setup.py``
@@ -60,7 +60,7 @@ from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
-from deployments import ascend_release as rel
+from embedfleet.deployments.engine import ascend_release as rel
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "ascend-sdists"
@@ -186,7 +186,7 @@ def fetch_sdist(project: str) -> Path:
     if listed[filename].sha256 is not None:
         assert listed[filename].sha256 == sha, (
             f"{filename}: the index lists sha256 {listed[filename].sha256}, "
-            f"deployments/ascend_release.py records {sha}")
+            f"deployments/engine/ascend_release.py records {sha}")
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / filename
     if path.is_file() and _sha256(path) == sha:
@@ -403,7 +403,7 @@ def test_release_constants_match_the_plugin(plugin):
     wrong = {n: (s, str(declared[n].specifier) if n in declared else None)
              for n, s in expected.items()
              if n not in declared or declared[n].specifier != Requirement(f"x{s}").specifier}
-    assert not wrong, f"deployments/ascend_release.py vs the plugin's metadata: {wrong}"
+    assert not wrong, f"deployments/engine/ascend_release.py vs the plugin's metadata: {wrong}"
 
 
 def test_release_constants_match_the_plugin_docs(plugin):

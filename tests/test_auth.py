@@ -6,7 +6,7 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from deployments.auth import ApiKeyMiddleware, key_matches, load_api_keys
+from embedfleet.deployments.api.auth import ApiKeyMiddleware, key_matches, load_api_keys
 
 
 def make_client(keys: tuple[bytes, ...]) -> TestClient:

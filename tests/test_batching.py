@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from deployments.batching import LengthAwareBatcher, length_buckets, restore_order
+from embedfleet.deployments.request_path.batching import LengthAwareBatcher, length_buckets, restore_order
 
 RATIO = 1.2
 

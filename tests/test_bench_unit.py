@@ -12,24 +12,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import report as rpt
-from benchmarks import workloads as wl
-from benchmarks.bench import parse_args, parse_cores
-from benchmarks.embedfleet_peer import (
+from embedfleet.benchmarks import report as rpt
+from embedfleet.benchmarks import workloads as wl
+from embedfleet.benchmarks.bench import parse_args, parse_cores
+from embedfleet.benchmarks.embedfleet_peer import (
     EmbedfleetPeer,
     bench_config,
     served_model,
     write_bench_config,
 )
-from benchmarks.peers import (
+from embedfleet.benchmarks.peers import (
     PeerUnavailable,
     decode_embeddings,
     embeddings_body,
     prechunk,
     serve_flags,
 )
-from benchmarks.prefix_cache_bench import engine_deltas, summarize_variants
-from deployments.config import load_config
+from embedfleet.benchmarks.prefix_cache_bench import engine_deltas, summarize_variants
+from embedfleet.deployments.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -184,7 +184,7 @@ def test_chart_is_a_png(tmp_path):
 
 # -- chunking: the vllm peer's windows are embedfleet's ------------------------------------------
 def test_prechunk_matches_embedfleet_long_input(cfg, minilm_tokenizer):
-    from deployments.long_input import SpecialTokens, plan
+    from embedfleet.deployments.request_path.long_input import SpecialTokens, plan
 
     m = cfg.models[0]
     special = SpecialTokens.from_tokenizer(minilm_tokenizer)
@@ -235,7 +235,7 @@ def test_bench_config_is_one_model_one_card_one_replica(cfg, tmp_path):
 
 
 def test_embedfleet_requests_are_valid_for_embedfleets_own_parser(cfg, tmp_path):
-    from deployments.protocol import embedding_response, parse_embedding_request
+    from embedfleet.deployments.api.openai import embedding_response, parse_embedding_request
 
     peer = EmbedfleetPeer("http://127.0.0.1:8000", "all-minilm-l6-v2", 4, cfg, tmp_path, [0])
     for name in wl.NAMES:
@@ -260,7 +260,7 @@ def test_embedfleet_requests_are_valid_for_embedfleets_own_parser(cfg, tmp_path)
 
 def test_embedfleet_peer_never_starts_a_cluster_beside_a_running_ray_head(cfg, tmp_path,
                                                                           monkeypatch):
-    import benchmarks.embedfleet_peer as ep
+    import embedfleet.benchmarks.embedfleet_peer as ep
 
     calls = []
     monkeypatch.setattr(ep, "ray_ports_taken", lambda: ["127.0.0.1:6379"])
@@ -316,7 +316,7 @@ def test_cli_options():
 
 
 def test_cli_forwards_bench_args():
-    from cluster.cli import build_parser
+    from embedfleet.cluster.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--quick", "--peers", "vllm"])
     assert args.command == "bench" and args.bench_args == ["--quick", "--peers", "vllm"]

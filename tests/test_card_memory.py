@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 
-from deployments.card_memory import (CardMemoryReading, CpuCardModel, idle_floor, live_pressure,
+from embedfleet.deployments.engine.card_memory import (CardMemoryReading, CpuCardModel, idle_floor, live_pressure,
                                      reading_from_probe)
-from deployments.vllm_api import KvUsageTracker
+from embedfleet.deployments.engine.vllm_api import KvUsageTracker
 
 GiB = 1 << 30
 MB = 1 << 20
@@ -99,7 +99,7 @@ def test_kv_tracker_adds_back_blocks_of_requests_that_finished_in_the_step():
 
 PROBE_CHILD = textwrap.dedent("""
     import sys
-    from deployments.vllm_api import _rss_and_peak
+    from embedfleet.deployments.engine.vllm_api import _rss_and_peak
     rss0, peak0 = _rss_and_peak()
     block = bytearray(300 << 20)          # touched: resident
     for i in range(0, len(block), 4096):
@@ -123,7 +123,7 @@ def test_worker_probe_sees_a_freed_spike_once_then_resets():
 TRIM_CHILD = textwrap.dedent("""
     import types
     import torch
-    from deployments.vllm_api import MemoryProbeExtension
+    from embedfleet.deployments.engine.vllm_api import MemoryProbeExtension
     worker = types.SimpleNamespace(device="cpu",
                                    model_runner=types.SimpleNamespace(model=torch.nn.Linear(64, 64)))
     probe = lambda idle: MemoryProbeExtension.embedfleet_memory_probe(worker, idle)

@@ -1,7 +1,7 @@
 """The chaos tool's pure parts: URL guard, fault schedule, options, workload, report.
 
 The fault injection itself needs a live cluster and kills its processes, so it is exercised by the
-documented soak command (`python -m benchmarks.chaos --soak`), not here.
+documented soak command (`python -m embedfleet.benchmarks.chaos --soak`), not here.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from benchmarks import chaos
-from deployments.protocol import parse_embedding_request
+from embedfleet.benchmarks import chaos
+from embedfleet.deployments.api.openai import parse_embedding_request
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://127.0.0.1:8000/",

@@ -1,4 +1,4 @@
-"""The router's bound on a call whose model has no ready replica (deployments/cold_start.py)."""
+"""The router's bound on a call whose model has no ready replica (deployments/request_path/cold_start.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from deployments.cold_start import HoldExpired, await_with_hold
+from embedfleet.deployments.request_path.cold_start import HoldExpired, await_with_hold
 
 
 def run(coro):

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.render import config_from_serve_yaml, render_yaml, serve_config
-from deployments.config import (
+from embedfleet.cluster.render import config_from_serve_yaml, render_yaml, serve_config
+from embedfleet.deployments.config import (
     CONFIG_DIR,
     ConfigError,
     DEFAULT_CONFIG_PATH,
@@ -95,7 +95,7 @@ def test_every_shipped_config_renders_a_valid_serve_config_that_round_trips(path
     ServeDeploySchema.model_validate(data)  # what `serve deploy` validates
     assert config_from_serve_yaml(text) == c
     app = data["applications"][0]
-    assert app["import_path"] == "deployments.app:build_app"
+    assert app["import_path"] == "embedfleet.deployments.app:build_app"
     engines = [d for d in app["deployments"] if d["name"].startswith("engine-")]
     assert len(engines) == len(c.models)
     resource = c.platform.card_resource

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.doctor import effective_block_size
+from embedfleet.cluster.doctor import effective_block_size
 from tests.support.fake_distributions import VLLM_ASCEND_INIT, install_dist
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -47,7 +47,7 @@ def test_replicas_spread_one_per_card_across_both_nodes(cluster):
     """Ray's multi-node cluster on this machine (2 nodes x 3 logical NPUs, `nodes: 2`): every
     replica holds its own (node, card), replicas land on both nodes, and what the replicas report
     agrees with Ray's own view of where their actors run."""
-    from cluster.local import local_node_name
+    from embedfleet.cluster.local import local_node_name
 
     by_id = models(cluster)
     placed = [(c["node"], c["device"], c["replica_id"])

@@ -36,7 +36,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from deployments.protocol import EmbeddingRequest
+from embedfleet.deployments.api.openai import EmbeddingRequest
 from tests.conftest import FAULTY_QWEN3, MINILM, TINY_QWEN3
 
 pytestmark = pytest.mark.cluster

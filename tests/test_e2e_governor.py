@@ -3,7 +3,7 @@
 real load on ``minilm-autoscale`` -> the engine worker's memory probe and vLLM's KV statistics ->
 the replica's card terms -> Ray's metrics agent -> Prometheus' recording rule (live pressure) ->
 MemoryGovernor -> the replica's admission budget. The CPU profile's card is the stand-in card
-model of ``deployments/card_memory.py`` (weights + KV pool + activations of the engine worker,
+model of ``deployments/engine/card_memory.py`` (weights + KV pool + activations of the engine worker,
 640 MiB in tests/configs/e2e-cpu.yaml), so a full 16,384-token step crosses ``high``.
 """
 
@@ -16,7 +16,7 @@ import time
 import pytest
 import requests
 
-from deployments.config import load_config
+from embedfleet.deployments.config import load_config
 from tests.conftest import AUTOSCALE, E2E_CONFIG, MINILM, TINY_QWEN3
 from tests.support.live_cluster import wait_for
 
@@ -81,7 +81,7 @@ class Load:
 
 def test_real_load_moves_the_live_signal_across_high_and_the_budget_follows_then_recovers(
         cluster):
-    from cluster.monitoring_stack import start_monitoring, stop_monitoring
+    from embedfleet.cluster.monitoring_stack import start_monitoring, stop_monitoring
 
     top = ceiling_tokens(AUTOSCALE)
     control = next(iter(cards(cluster, TINY_QWEN3)))  # an idle card of another model

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import requests
 
-from deployments.long_input import LongInputPolicy, SpecialTokens, plan
+from embedfleet.deployments.request_path.long_input import LongInputPolicy, SpecialTokens, plan
 from tests.conftest import MINILM, TINY_QWEN3
 
 pytestmark = pytest.mark.cluster

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import requests
 
-from deployments.fingerprint import model_digest
+from embedfleet.deployments.request_path.fingerprint import model_digest
 from tests.conftest import E2E_CONFIG, FAULT_ARM_FILE, FAULTY_QWEN3, MINILM, TINY_QWEN3, run_cli
 
 pytestmark = pytest.mark.cluster

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.verify import BATCH, CACHE, CORPUS, GOLDEN, REFERENCE, load_golden, save_golden
-from deployments.fingerprint import model_digest
+from embedfleet.cluster.verify.command import BATCH, CACHE, CORPUS, GOLDEN, REFERENCE, load_golden, save_golden
+from embedfleet.deployments.request_path.fingerprint import model_digest
 from tests.conftest import MINILM, ROOT, TINY_QWEN3
 
 pytestmark = pytest.mark.cluster
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.cluster
 
 def verify_cli(url: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "cluster.verify", "--url", url, *args],
+    return subprocess.run([sys.executable, "-m", "embedfleet.cluster.verify.command", "--url", url, *args],
                           capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
 
 

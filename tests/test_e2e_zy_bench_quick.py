@@ -13,8 +13,8 @@ import math
 
 import pytest
 
-from benchmarks import report as rpt
-from benchmarks import workloads as wl
+from embedfleet.benchmarks import report as rpt
+from embedfleet.benchmarks import workloads as wl
 from tests.conftest import MINILM, run_cli
 
 pytestmark = pytest.mark.cluster

@@ -21,9 +21,9 @@ import pytest
 import requests
 import yaml
 
-from monitoring import queries
-from monitoring.grafana import dashboard
-from monitoring.prometheus.config import RULE_FILES, RULES_DIR
+from embedfleet.monitoring import queries
+from embedfleet.monitoring.grafana import dashboard
+from embedfleet.monitoring.prometheus.config import RULE_FILES, RULES_DIR
 from tests.conftest import FAULTY_QWEN3, MINILM, TINY_QWEN3
 
 pytestmark = pytest.mark.cluster

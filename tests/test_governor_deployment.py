@@ -2,7 +2,7 @@
 
 Cards are 64 GiB 910Bs at vLLM's 0.95 reservation: the device always reads ~0.95 used, which is
 above the governor's high mark, so a governor on raw used/total would cut every idle card. The
-signal is ``deployments.card_memory.live_pressure``; expected ratios are derived with it.
+signal is ``embedfleet.deployments.engine.card_memory.live_pressure``; expected ratios are derived with it.
 
 The main scenario is issue 4's: two cards on one node read through the npu-exporter preset from
 the STAND-IN npu-exporter (device used/total) and the STAND-IN Ray metrics agent (the replicas'
@@ -22,19 +22,19 @@ import time
 
 import pytest
 
-from cluster.governor_law import GovernorParams
-from cluster.prometheus_server import free_port, start_prometheus
-from deployments import metrics
-from deployments.card_memory import live_pressure
-from deployments.governor import GovernorConfig, MemoryGovernor, RayMetricsSink
-from monitoring.prometheus import config as prom_config
-from monitoring.prometheus import generate as prom_generate
-from monitoring.prometheus import rules
+from embedfleet.deployments.control.governor_law import GovernorParams
+from embedfleet.cluster.prometheus_server import free_port, start_prometheus
+from embedfleet.deployments import metrics
+from embedfleet.deployments.engine.card_memory import live_pressure
+from embedfleet.deployments.control.governor import GovernorConfig, MemoryGovernor, RayMetricsSink
+from embedfleet.monitoring.prometheus import config as prom_config
+from embedfleet.monitoring.prometheus import generate as prom_generate
+from embedfleet.monitoring.prometheus import rules
 from tests.support.standin_npu_exporter import StandinNpuExporter
 from tests.support.standin_ray_agent import StandinRayAgent
 
 RECORDING_RULES = prom_config.RULE_FILES[0]
-# The rules as ``python -m monitoring.generate`` writes them (test_monitoring_generated checks
+# The rules as ``python -m embedfleet.monitoring.generate`` writes them (test_monitoring_generated checks
 # that the checked-in file is this text).
 RECORDING_RULES_TEXT = prom_generate.dump(rules.recording_groups())
 CONFIG = {"models": [{"name": "m", "source": {"path": "/nonexistent"}}]}

@@ -11,9 +11,9 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from cluster.governor_law import (CardLimits, CardState, GovernorParams, floor_of, hold_stale,
+from embedfleet.deployments.control.governor_law import (CardLimits, CardState, GovernorParams, floor_of, hold_stale,
                                   step, step_of)
-from monitoring import thresholds
+from embedfleet.monitoring import thresholds
 
 P = GovernorParams()
 CEIL = CardLimits(max_sequences=64, max_tokens=65536)

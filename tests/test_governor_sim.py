@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_governor_sim_json():
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.governor_sim", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "embedfleet.benchmarks.governor_sim", "--json"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

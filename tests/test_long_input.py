@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from deployments.errors import InputTooLong, InvalidParameterValue, UnsupportedParameter
-from deployments.long_input import (
+from embedfleet.deployments.errors import InputTooLong, InvalidParameterValue, UnsupportedParameter
+from embedfleet.deployments.request_path.long_input import (
     LongInputPolicy,
     SpecialTokens,
     apply_dimensions,
@@ -230,7 +230,7 @@ def test_dimensions_errors_name_the_problem():
 
 
 def test_flatten_and_merge_planned_keep_inputs_apart(doc, special):
-    from deployments.long_input import flatten, merge_planned
+    from embedfleet.deployments.request_path.long_input import flatten, merge_planned
 
     _, ids = doc
     policy = LongInputPolicy(mode="chunk")

@@ -4,7 +4,7 @@ Schema-level only: nothing here starts Ray, Docker or Kubernetes. Where Ray ship
 reads an artefact (the cluster launcher's config preparation, KubeRay's autoscaler translation of
 a RayCluster, Serve's deploy schema), the test runs that code instead of re-stating its rules.
 After a deliberate change to the config or a renderer, regenerate the examples with
-``python -m cluster.manifests``.
+``python -m embedfleet.cluster.manifests``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.cli import main
-from cluster.manifests import (
+from embedfleet.cluster.cli import main
+from embedfleet.cluster.manifests import (
     ASCEND_910B_CONFIG,
     CANN_VERSION,
     EXAMPLE_IMAGE,
@@ -38,8 +38,8 @@ from cluster.manifests import (
     render_rayservice,
     worker_bounds,
 )
-from cluster.render import config_from_serve_yaml, render_yaml, serve_config
-from deployments.config import CONFIG_DIR, ConfigError, load_config, parse_config
+from embedfleet.cluster.render import config_from_serve_yaml, render_yaml, serve_config
+from embedfleet.deployments.config import CONFIG_DIR, ConfigError, load_config, parse_config
 
 ASCEND = load_config(ASCEND_910B_CONFIG)
 EXAMPLE = cluster_spec(ASCEND, example=True)  # what the checked-in examples are rendered with
@@ -69,9 +69,9 @@ def _flag(command: str, name: str) -> str:
 @pytest.mark.parametrize("name", sorted(example_files()))
 def test_checked_in_example_equals_render(name):
     path = EXAMPLES_DIR / name
-    assert path.exists(), f"{path} missing; run python -m cluster.manifests"
+    assert path.exists(), f"{path} missing; run python -m embedfleet.cluster.manifests"
     assert path.read_text() == example_files()[name], (
-        f"{path} differs from the render; run python -m cluster.manifests and review the diff")
+        f"{path} differs from the render; run python -m embedfleet.cluster.manifests and review the diff")
 
 
 def test_examples_readme_names_every_example():
@@ -519,9 +519,9 @@ def test_rayservice_refuses_a_name_kuberay_would_reject():
 
 
 def test_image_requirements_name_the_pinned_cann():
-    """The image's CANN is the pinned vllm-ascend's (deployments/ascend_release.py), not the
+    """The image's CANN is the pinned vllm-ascend's (deployments/engine/ascend_release.py), not the
     seed's 8.1.RC1, in the rendered headers and the examples' README alike."""
-    from deployments import ascend_release
+    from embedfleet.deployments.engine import ascend_release
 
     assert CANN_VERSION == ascend_release.CANN_VERSION
     wanted = f"CANN {CANN_VERSION} (what vllm-ascend {ascend_release.VLLM_ASCEND_VERSION} requires)"

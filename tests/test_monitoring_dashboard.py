@@ -8,10 +8,11 @@ import json
 import pytest
 import yaml
 
-from deployments.canary import VERDICTS
-from deployments.vllm_api import VLLM_METRICS
-from monitoring import lint, queries, thresholds
-from monitoring.grafana import dashboard
+from embedfleet.deployments.control.canary import VERDICTS
+from embedfleet.deployments.engine.vllm_api import VLLM_METRICS
+from tests.support import monitoring_lint as lint
+from embedfleet.monitoring import queries, thresholds
+from embedfleet.monitoring.grafana import dashboard
 
 UIDS = {dashboard.DATASOURCE_UID}
 

@@ -2,7 +2,7 @@
 
 The rules, prometheus.yml, dashboard JSON and provisioning are generated from
 monitoring/thresholds.py, queries.py, prometheus/rules.py and grafana/dashboard.py. If a test here
-fails after editing those, run `python -m monitoring.generate` and commit the output.
+fails after editing those, run `python -m embedfleet.monitoring.generate` and commit the output.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-import monitoring
-from deployments import metrics
-from deployments.vllm_api import VLLM_METRICS
-from monitoring import generate, lint, queries, thresholds
-from monitoring.grafana import dashboard
-from monitoring.prometheus import config, rules
+import embedfleet.monitoring as monitoring
+from embedfleet.deployments import metrics
+from embedfleet.deployments.engine.vllm_api import VLLM_METRICS
+from embedfleet.monitoring import generate, queries, thresholds
+from tests.support import monitoring_lint as lint
+from embedfleet.monitoring.grafana import dashboard
+from embedfleet.monitoring.prometheus import config, rules
 
 MONITORING = Path(monitoring.__file__).resolve().parent
 
@@ -46,9 +47,9 @@ def dash() -> dict:
 
 @pytest.mark.parametrize("path", sorted(generate.outputs()), ids=lambda p: p.name)
 def test_checked_in_file_equals_generator_output(path):
-    assert path.exists(), f"{path} missing: run `python -m monitoring.generate`"
+    assert path.exists(), f"{path} missing: run `python -m embedfleet.monitoring.generate`"
     assert path.read_text() == generate.outputs()[path], \
-        f"{path} is stale: run `python -m monitoring.generate`"
+        f"{path} is stale: run `python -m embedfleet.monitoring.generate`"
 
 
 def test_check_mode_reports_a_stale_file(tmp_path):
@@ -62,7 +63,7 @@ def test_check_mode_reports_a_stale_file(tmp_path):
 
 
 # vLLM's engine metrics reach Prometheus through its Ray stat logger (``ray_vllm_*``); the ones
-# embedfleet reads are listed, and checked against vLLM's sources, in ``deployments.vllm_api``.
+# embedfleet reads are listed, and checked against vLLM's sources, in ``embedfleet.deployments.engine.vllm_api``.
 VLLM_NAMES = frozenset(VLLM_METRICS.values())
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from monitoring.prometheus import config, rules
+from embedfleet.monitoring.prometheus import config, rules
 
 PROM_DIR = Path(config.__file__).resolve().parent
 UNIT_TESTS = sorted((PROM_DIR / "tests").glob("*.yml"))

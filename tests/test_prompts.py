@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from deployments.errors import UnsupportedParameter
-from deployments.prompts import QWEN3_EMBEDDING_DEFAULT_TASK, PromptTemplates
+from embedfleet.deployments.errors import UnsupportedParameter
+from embedfleet.deployments.request_path.prompts import QWEN3_EMBEDDING_DEFAULT_TASK, PromptTemplates
 
 
 @pytest.fixture

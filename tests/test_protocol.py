@@ -8,8 +8,8 @@ import numpy as np
 import orjson
 import pytest
 
-from deployments.errors import EngineUnavailable, InputTooLong, Overloaded, RequestValidation
-from deployments.protocol import embedding_response, parse_embedding_request
+from embedfleet.deployments.errors import EngineUnavailable, InputTooLong, Overloaded, RequestValidation
+from embedfleet.deployments.api.openai import embedding_response, parse_embedding_request
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -6,9 +6,9 @@ import numpy as np
 import orjson
 import pytest
 
-from deployments.errors import RequestValidation
-from deployments.long_input import InputPlan, LongInputPolicy
-from deployments.protocol_tei import (
+from embedfleet.deployments.errors import RequestValidation
+from embedfleet.deployments.request_path.long_input import InputPlan, LongInputPolicy
+from embedfleet.deployments.api.tei import (
     long_input_headers,
     parse_tei_embed_request,
     parse_tei_tokenize_request,

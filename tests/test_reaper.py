@@ -8,13 +8,13 @@ import subprocess
 import sys
 import time
 
-from deployments import reaper
+from embedfleet.deployments.engine import reaper
 
 # A stand-in "replica": starts a child that looks like a vLLM engine (marker env, VLLM in its
 # command line) and a reaper for it, prints the child's pid, then waits to be killed.
 REPLICA = """
 import os, subprocess, sys, time
-from deployments import reaper
+from embedfleet.deployments.engine import reaper
 os.environ[reaper.MARKER_ENV] = str(os.getpid())
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "VLLM::EngineCore"])
 reaper.start_reaper([child.pid])

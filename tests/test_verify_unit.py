@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster import verify
-from cluster.verify import (BATCH, CACHE, GOLDEN, REFERENCE, Embedded, GoldenEntry, Reference,
+from embedfleet.cluster.verify import command as verify
+from embedfleet.cluster.verify.command import (BATCH, CACHE, GOLDEN, REFERENCE, Embedded, GoldenEntry, Reference,
                             VerifyUsageError, load_golden, pool, pooling_spec, save_golden)
 
 MODEL = "fake-model"

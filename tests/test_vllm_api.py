@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from deployments import vllm_api
-from deployments.config import CONFIG_DIR, load_config
-from deployments.vllm_api import TOUCH_POINTS, VLLM_METRICS, TouchPoint
+from embedfleet.deployments.engine import vllm_api
+from embedfleet.deployments.config import CONFIG_DIR, load_config
+from embedfleet.deployments.engine.vllm_api import TOUCH_POINTS, VLLM_METRICS, TouchPoint
 from tests.support.reference_sources import vllm_023_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +155,7 @@ def _vllm_imports(path: Path) -> list[str]:
 
 
 def test_only_the_touch_point_module_imports_vllm():
-    """Product code reaches vLLM through ``deployments.vllm_api`` only (benchmarks measure vLLM
+    """Product code reaches vLLM through ``embedfleet.deployments.engine.vllm_api`` only (benchmarks measure vLLM
     itself and tests verify it, so they may import it)."""
     offenders = {}
     for folder in PRODUCT_DIRS:

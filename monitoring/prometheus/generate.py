@@ -1,7 +1,7 @@
 """Write (or check) the generated Prometheus files: rule files and the default prometheus.yml.
 
-    python -m monitoring.prometheus.generate          # rewrite
-    python -m monitoring.prometheus.generate --check  # exit 1 if a checked-in file differs
+    python -m embedfleet.monitoring.prometheus.generate          # rewrite
+    python -m embedfleet.monitoring.prometheus.generate --check  # exit 1 if a checked-in file differs
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from monitoring.prometheus import rules
-from monitoring.prometheus.config import HEADER, RULE_FILES, RULES_DIR, render_prometheus_config
+from embedfleet.monitoring.prometheus import rules
+from embedfleet.monitoring.prometheus.config import HEADER, RULE_FILES, RULES_DIR, render_prometheus_config
 
 HERE = Path(__file__).resolve().parent
 

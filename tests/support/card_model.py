@@ -21,7 +21,7 @@ import os
 import threading
 from typing import Any
 
-from deployments.engine import EmbeddingEngine, EngineMemory, VllmEmbeddingEngine
+from embedfleet.deployments.engine.vllm_engine import EmbeddingEngine, EngineMemory, VllmEmbeddingEngine
 
 GiB = 1 << 30
 #: The share each engine reserves when the config gives none (CPU configs have no

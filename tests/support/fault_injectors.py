@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from deployments.engine import Embedding, EmbeddingEngine, VllmEmbeddingEngine
+from embedfleet.deployments.engine.vllm_engine import Embedding, EmbeddingEngine, VllmEmbeddingEngine
 
 logger = logging.getLogger("embedfleet.fault_injectors")
 

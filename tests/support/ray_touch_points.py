@@ -42,7 +42,7 @@ class RayTouchPoint(NamedTuple):
 
 T = RayTouchPoint
 
-# Keyword names deployments/options.py and deployments/registry.py pass to serve.deployment(...)
+# Keyword names deployments/options.py and deployments/control/registry.py pass to serve.deployment(...)
 # and Deployment.options(...), and that cluster/render.py emits per deployment in the Serve YAML.
 DEPLOYMENT_OPTIONS = ("name", "num_replicas", "ray_actor_options", "max_ongoing_requests",
                       "max_queued_requests", "health_check_period_s", "health_check_timeout_s",
@@ -62,12 +62,12 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     *(T("__init__.py", n, used_by=u) for n, u in (
         ("init", "cluster/cli.py collect_status, cmd_prefix_cache; monitoring ray_probe"),
         ("shutdown", "cluster/cli.py; monitoring ray_probe"),
-        ("get", "monitoring/prometheus/ray_probe.py"),
-        ("remote", "monitoring/prometheus/ray_probe.py"),
-        ("nodes", "deployments/platform.py card_identity"),
-        ("available_resources", "deployments/placement.py card_counts"),
-        ("cluster_resources", "deployments/placement.py card_counts"),
-        ("get_runtime_context", "deployments/platform.py card_identity"),
+        ("get", "tests/support/ray_probe.py"),
+        ("remote", "tests/support/ray_probe.py"),
+        ("nodes", "deployments/engine/platform.py card_identity"),
+        ("available_resources", "deployments/control/placement.py card_counts"),
+        ("cluster_resources", "deployments/control/placement.py card_counts"),
+        ("get_runtime_context", "deployments/engine/platform.py card_identity"),
     )),
     T("_private/worker.py", "init",
       ("address", "namespace", "logging_level", "log_to_driver", "num_cpus",
@@ -75,22 +75,22 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       # the private keywords are taken from **kwargs
       contains=("kwargs.pop('_metrics_export_port', None)", "kwargs.pop('_temp_dir', None)"),
       used_by="cluster/cli.py (address, namespace, logging_level, log_to_driver); "
-              "monitoring/prometheus/ray_probe.py (num_cpus, include_dashboard, "
+              "tests/support/ray_probe.py (num_cpus, include_dashboard, "
               "_metrics_export_port, _temp_dir)"),
     T("_private/worker.py", "shutdown", used_by="cluster/cli.py; ray_probe"),
     T("_private/worker.py", "get", used_by="ray_probe"),
     T("_private/worker.py", "remote", used_by="ray_probe (@ray.remote(num_cpus=0) class)"),
-    T("_private/state.py", "nodes", used_by="deployments/platform.py: NodeID/NodeName/Resources"),
-    T("_private/state.py", "available_resources", used_by="deployments/placement.py"),
-    T("_private/state.py", "cluster_resources", used_by="deployments/placement.py"),
-    T("runtime_context.py", "get_runtime_context", used_by="deployments/platform.py"),
+    T("_private/state.py", "nodes", used_by="deployments/engine/platform.py: NodeID/NodeName/Resources"),
+    T("_private/state.py", "available_resources", used_by="deployments/control/placement.py"),
+    T("_private/state.py", "cluster_resources", used_by="deployments/control/placement.py"),
+    T("runtime_context.py", "get_runtime_context", used_by="deployments/engine/platform.py"),
     T("runtime_context.py", "RuntimeContext.get_accelerator_ids",
-      used_by="deployments/platform.py: the card id Ray assigned ({'NPU': [...]})"),
-    T("runtime_context.py", "RuntimeContext.get_node_id", used_by="deployments/platform.py"),
+      used_by="deployments/engine/platform.py: the card id Ray assigned ({'NPU': [...]})"),
+    T("runtime_context.py", "RuntimeContext.get_node_id", used_by="deployments/engine/platform.py"),
     T("util/__init__.py", "get_node_ip_address",
-      used_by="deployments/platform.py (ray.util.get_node_ip_address), cluster/local.py node_ip"),
+      used_by="deployments/engine/platform.py (ray.util.get_node_ip_address), cluster/local.py node_ip"),
     # -- ray.exceptions ------------------------------------------------------------------------
-    *(T("exceptions.py", n, used_by="deployments/router.py REPLICA_GONE (retried elsewhere)")
+    *(T("exceptions.py", n, used_by="deployments/api/router.py REPLICA_GONE (retried elsewhere)")
       for n in ("RayActorError", "ActorDiedError", "ActorUnavailableError")),
     # -- ray.util.metrics (deployments/metrics.py get(), monitoring ray_probe) -----------------
     T("util/metrics.py", "Counter.__init__", ("name", "description", "tag_keys"),
@@ -103,31 +103,31 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="deployments/metrics.py"),
     T("util/metrics.py", "Histogram.observe", ("value", "tags"), used_by="router, replica"),
     # vLLM's RayPrometheusStatLogger, which embedfleet plugs into every engine
-    # (deployments/vllm_api.py ray_stat_logger), uses these too (vLLM 0.23 and 0.32 alike):
+    # (deployments/engine/vllm_api.py ray_stat_logger), uses these too (vLLM 0.23 and 0.32 alike):
     T("util/metrics.py", "Metric.__init__", contains=("self._tag_keys = tag_keys or tuple()",),
       used_by="vLLM v1/metrics/ray_wrappers.py reads metric._tag_keys"),
     T("serve/exceptions.py", "RayServeException",
       used_by="vLLM ray_wrappers._get_replica_id (the ReplicaId label of ray_vllm_*)"),
-    # -- ray.util.state (deployments/placement.py pending_replica_actors) ----------------------
-    T("util/state/__init__.py", "list_actors", used_by="deployments/placement.py"),
+    # -- ray.util.state (deployments/control/placement.py pending_replica_actors) ----------------------
+    T("util/state/__init__.py", "list_actors", used_by="deployments/control/placement.py"),
     T("util/state/api.py", "list_actors", ("filters", "limit"),
-      used_by="deployments/placement.py: filters=[('state', '=', 'PENDING_CREATION')]"),
+      used_by="deployments/control/placement.py: filters=[('state', '=', 'PENDING_CREATION')]"),
     T("util/state/common.py", "ActorState", ("class_name", "state"),
-      used_by="deployments/placement.py reads a.class_name"),
+      used_by="deployments/control/placement.py reads a.class_name"),
     T("_private/custom_types.py", "ACTOR_STATUS", contains=("'PENDING_CREATION'",),
-      used_by="deployments/placement.py: the state of an actor waiting for resources"),
+      used_by="deployments/control/placement.py: the state of an actor waiting for resources"),
     # -- Serve: the API ------------------------------------------------------------------------
     *(T("serve/__init__.py", n, used_by=u) for n, u in (
-        ("deployment", "deployments/app.py, deployments/registry.py"),
-        ("ingress", "deployments/router.py @serve.ingress(app)"),
+        ("deployment", "deployments/app.py, deployments/control/registry.py"),
+        ("ingress", "deployments/api/router.py @serve.ingress(app)"),
         ("status", "cluster/cli.py collect_status"),
         ("get_deployment_handle", "cluster/cli.py collect_status, cmd_prefix_cache"),
         ("get_replica_context", "deployments/replica.py"),
         ("Application", "deployments/app.py (from ray.serve import Application)"),
     )),
     T("serve/api.py", "deployment", ("_func_or_class", *DEPLOYMENT_OPTIONS),
-      used_by="deployments/registry.py serve.deployment(FleetRegistry, name=..., ...)"),
-    T("serve/api.py", "ingress", ("app",), used_by="deployments/router.py"),
+      used_by="deployments/control/registry.py serve.deployment(FleetRegistry, name=..., ...)"),
+    T("serve/api.py", "ingress", ("app",), used_by="deployments/api/router.py"),
     T("serve/api.py", "status", used_by="cluster/cli.py"),
     T("serve/api.py", "get_deployment_handle", ("deployment_name", "app_name"),
       used_by="cluster/cli.py"),
@@ -140,7 +140,7 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="deployments/replica.py: serve.get_replica_context().replica_id.unique_id"),
     T("serve/_private/common.py", "DeploymentID.to_replica_actor_class_name",
       contains=("f'ServeReplica:{self.app_name}:{self.name}'",),
-      used_by="deployments/placement.py matches actor class names 'ServeReplica:<app>:<dep>'"),
+      used_by="deployments/control/placement.py matches actor class names 'ServeReplica:<app>:<dep>'"),
     T("serve/_private/common.py", "ReplicaState.RUNNING", value="RUNNING",
       used_by="cluster/cli.py _states / settled (replica_states keys)"),
     T("serve/config.py", "AutoscalingConfig", AUTOSCALING_KEYS,
@@ -162,11 +162,11 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     T("serve/handle.py", "DeploymentHandle.remote", used_by="router, replica, cli"),
     T("serve/handle.py", "DeploymentResponse.__await__", used_by="router, replica (await)"),
     T("serve/handle.py", "DeploymentResponse.result", ("timeout_s",), used_by="cluster/cli.py"),
-    T("serve/handle.py", "DeploymentResponse.cancel", used_by="deployments/router.py on hold expiry"),
+    T("serve/handle.py", "DeploymentResponse.cancel", used_by="deployments/api/router.py on hold expiry"),
     # -- Serve: exceptions ---------------------------------------------------------------------
-    T("serve/exceptions.py", "BackPressureError", used_by="deployments/router.py -> 429"),
+    T("serve/exceptions.py", "BackPressureError", used_by="deployments/api/router.py -> 429"),
     T("serve/exceptions.py", "DeploymentUnavailableError.message",
-      used_by="deployments/router.py -> 503 NotReady(err.message)"),
+      used_by="deployments/api/router.py -> 503 NotReady(err.message)"),
     # -- Serve: serve.status() -----------------------------------------------------------------
     T("serve/schema.py", "ServeStatus", ("applications",), used_by="cluster/cli.py"),
     T("serve/schema.py", "ApplicationStatusOverview", ("status", "message", "deployments"),
@@ -219,19 +219,19 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="deployments/options.py card_actor_options {'NPU': 1}"),
     T("_private/accelerators/npu.py", "ASCEND_RT_VISIBLE_DEVICES_ENV_VAR",
       value="ASCEND_RT_VISIBLE_DEVICES",
-      used_by="deployments/platform.py VISIBLE_DEVICES_ENV, ascend_checks.py"),
+      used_by="deployments/engine/platform.py VISIBLE_DEVICES_ENV, ascend_checks.py"),
     T("_private/accelerators/npu.py", "NPUAcceleratorManager.get_visible_accelerator_ids_env_var",
       contains=("return ASCEND_RT_VISIBLE_DEVICES_ENV_VAR",),
       used_by="Ray sets ASCEND_RT_VISIBLE_DEVICES for a replica holding {'NPU': 1}"),
     T("_private/accelerators/npu.py", "NOSET_ASCEND_RT_VISIBLE_DEVICES_ENV_VAR",
       value="RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES",
-      used_by="deployments/ascend_checks.py (tells the operator to leave it unset)"),
+      used_by="deployments/engine/ascend_checks.py (tells the operator to leave it unset)"),
     T("_private/accelerators/npu.py",
       "NPUAcceleratorManager.get_current_process_visible_accelerator_ids",
-      contains=("'NoDevFiles'",), used_by="deployments/ascend_checks.py: Ray's no-devices marker"),
+      contains=("'NoDevFiles'",), used_by="deployments/engine/ascend_checks.py: Ray's no-devices marker"),
     T("_private/accelerators/npu.py", "NPUAcceleratorManager.get_current_node_num_accelerators",
       contains=("'/dev/davinci[0-9]*'",),
-      used_by="deployments/ascend_checks.py: Ray counts /dev/davinci* like the check does"),
+      used_by="deployments/engine/ascend_checks.py: Ray counts /dev/davinci* like the check does"),
     # -- how Ray exports user metrics (deployments/metrics.py MetricSpec.exported) -------------
     # ray.util.metrics.Counter records a count (not a sum) while OpenTelemetry is on (default);
     # the node's reporter agent registers a monotonic sum as an observable *counter* named
@@ -278,7 +278,7 @@ NOT_CHECKABLE: dict[str, str] = {
         "C++ (RayConfig AUTH_MODE, AuthenticationTokenLoader); checked: AuthenticationError's "
         "message names all three and ~/.ray/auth_token in both releases, and the default token "
         "path function returns ~/.ray/auth_token",
-    "ray.nodes() entries' keys NodeID, NodeName, Resources (deployments/platform.py)":
+    "ray.nodes() entries' keys NodeID, NodeName, Resources (deployments/engine/platform.py)":
         "built by the Cython GlobalStateAccessor; checked: ray.nodes exists",
     "ASCEND_RT_VISIBLE_DEVICES set for a worker holding NPU":
         "the worker sets it through the accelerator manager; checked: the manager's env var",
@@ -302,7 +302,7 @@ KNOWN_DIFFERENCES: tuple[RayDifference, ...] = (
         "exists; 2.55.1 has no such default: unset RAY_AUTH_MODE means auth disabled.",
         "none for `embedfleet up/deploy/status`: cluster/local.py ensure_token_auth sets "
         "RAY_AUTH_MODE=token explicitly (the env var and the token path are the same in 2.55.1). "
-        "monitoring/prometheus/ray_probe.py's private ray.init(address='local') runs without "
+        "tests/support/ray_probe.py's private ray.init(address='local') runs without "
         "token auth on 2.55.1, with it on 2.60."),
     RayDifference(
         T("_private/telemetry/open_telemetry_metric_recorder.py",
@@ -331,7 +331,7 @@ KNOWN_DIFFERENCES: tuple[RayDifference, ...] = (
         T("_private/telemetry/open_telemetry_metric_recorder.py",
           "OpenTelemetryMetricRecorder.record_histogram_aggregated_batch",
           contains=("_histogram_bucket_mismatch_warned",),
-          used_by="vLLM's Ray stat logger histograms (deployments/vllm_api.py ray_stat_logger)"),
+          used_by="vLLM's Ray stat logger histograms (deployments/engine/vllm_api.py ray_stat_logger)"),
         "when two processes on a node report one histogram name with different bucket counts, "
         "2.60 skips the mismatching data point with a warning; 2.55.1 asserts (the reporter "
         "agent's ingestion of that component's metrics fails).",

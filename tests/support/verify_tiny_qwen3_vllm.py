@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.tiny_qwen3 import build_tiny_qwen3
+from embedfleet.benchmarks.tiny_qwen3 import build_tiny_qwen3
 
 ENGINE_ARGS = dict(runner="pooling", dtype="float32", block_size=32,
                    kv_cache_memory_bytes=256 << 20, enforce_eager=True,

@@ -1,0 +1,162 @@
+"""OpenAI embeddings API: request model, validation rules, response builder.
+
+Validation happens here once, for every handler. ``parse_embedding_request`` turns a decoded JSON
+body into an ``EmbeddingRequest`` or raises ``RequestValidation`` naming the offending ``param``.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+from embedfleet.deployments.errors import RequestValidation
+
+TokenIds = list[int]
+EncodingFormat = Literal["float", "base64"]
+
+
+def _bad(code: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError(code, message)
+
+
+def normalize_input(value: Any) -> list[str] | list[TokenIds]:
+    """OpenAI's four input shapes -> a list of texts or a list of token-id lists.
+
+    A flat list of ints is one tokenised input (OpenAI's rule); a list of lists is many.
+    """
+    if isinstance(value, str):
+        if not value:
+            raise _bad("empty_input", "input must not be an empty string")
+        return [value]
+    if not isinstance(value, list):
+        raise _bad("invalid_type", "input must be a string, a list of strings, a list of token "
+                   f"ids or a list of token-id lists; got {type(value).__name__}")
+    if not value:
+        raise _bad("empty_input", "input must not be an empty list")
+    kinds = {_item_kind(v) for v in value}
+    if kinds == {"str"}:
+        for i, v in enumerate(value):
+            if not v:
+                raise _bad("empty_input", f"input[{i}] is an empty string")
+        return list(value)
+    if kinds == {"int"}:
+        _check_ids(value, "input")
+        return [list(value)]
+    if kinds == {"ids"}:
+        for i, ids in enumerate(value):
+            if not ids:
+                raise _bad("empty_input", f"input[{i}] is an empty token list")
+            _check_ids(ids, f"input[{i}]")
+        return [list(v) for v in value]
+    if "other" in kinds:
+        bad = next(i for i, v in enumerate(value) if _item_kind(v) == "other")
+        raise _bad("invalid_type", f"input[{bad}] has type {type(value[bad]).__name__}; items "
+                   "must be strings, token ids (integers) or token-id lists")
+    raise _bad("mixed_input", "input mixes item types "
+               f"({', '.join(sorted(kinds))}); use one kind for all items")
+
+
+def _item_kind(v: Any) -> str:
+    if isinstance(v, str):
+        return "str"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return "int"
+    if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return "ids"
+    return "other"
+
+
+def _check_ids(ids: list[int], where: str) -> None:
+    for j, t in enumerate(ids):
+        if t < 0:
+            raise _bad("invalid_token_id", f"{where}[{j}]={t}: token ids are non-negative")
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input: list[str] | list[TokenIds] = Field(description="Text(s) or token ids to embed.")
+    model: str = Field(min_length=1)
+    encoding_format: EncodingFormat = "float"
+    dimensions: PositiveInt | None = None
+    user: str | None = None
+    # embedfleet extensions (the openai client sends them with `extra_body={...}`):
+    long_input: Literal["reject", "truncate", "chunk"] | None = Field(
+        default=None, description="Inputs over the model's context: refuse, cut, or split and "
+        "merge. Default: the model's configured policy.")
+    truncation_direction: Literal["right", "left"] | None = Field(
+        default=None, description="With truncate: right keeps the beginning, left the end.")
+    prompt_name: str | None = Field(
+        default=None, description="Instruction template of the model to apply (e.g. 'query').")
+    task: str | None = Field(default=None, description="Fills {task} in the template.")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v: Any) -> list[str] | list[TokenIds]:
+        return normalize_input(v)
+
+    @property
+    def is_tokens(self) -> bool:
+        return bool(self.input) and not isinstance(self.input[0], str)
+
+
+def parse_body(model: type[BaseModel], data: Any) -> Any:
+    """A decoded JSON body -> ``model``, or ``RequestValidation`` naming the param (every API)."""
+    if not isinstance(data, dict):
+        raise RequestValidation(
+            f"request body must be a JSON object; got {type(data).__name__}", param=None)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise validation_error(err) from None
+
+
+def parse_embedding_request(data: Any) -> EmbeddingRequest:
+    return parse_body(EmbeddingRequest, data)
+
+
+def validation_error(err: ValidationError) -> RequestValidation:
+    """The first pydantic error as an OpenAI-style error naming its parameter."""
+    e = err.errors()[0]
+    param = ".".join(str(p) for p in e["loc"]) or None
+    if e["type"] == "missing":
+        msg = f"'{param}' is a required property"
+    elif e["type"] == "extra_forbidden":
+        msg = f"unrecognized request argument supplied: {param}"
+    else:
+        msg = f"invalid '{param}': {e['msg']}"
+        if e["type"].endswith("_type") or e["type"] == "literal_error":
+            # decode before cutting: slicing the UTF-8 bytes could split a character
+            msg += f" (got {orjson.dumps(e.get('input'), default=str).decode()[:100]})"
+    return RequestValidation(msg, param=param.split(".")[0] if param else None)
+
+
+def encode_vector(vec: np.ndarray, encoding: EncodingFormat) -> Any:
+    if encoding == "base64":
+        # OpenAI's base64 format: little-endian float32 bytes.
+        return base64.b64encode(np.ascontiguousarray(vec, dtype="<f4").tobytes()).decode()
+    return vec
+
+
+def embedding_response(vectors: list[np.ndarray], *, model: str, prompt_tokens: int,
+                       encoding: EncodingFormat, cached_tokens: int = 0,
+                       inputs_report: list[dict[str, Any]] | None = None) -> bytes:
+    body = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, encoding)}
+                 for i, v in enumerate(vectors)],
+        "model": model,
+        # prompt_tokens_details.cached_tokens: prefix-cache hits, as OpenAI reports them for chat.
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens}},
+    }
+    if inputs_report is not None:
+        # What the long-input policy did, for the inputs it changed (OpenAI clients ignore it).
+        body["embedfleet"] = {"inputs": [r for r in inputs_report
+                                         if r.get("truncated") or r.get("chunks", 1) > 1]}
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -1,0 +1,203 @@
+"""TEI-compatible API: ``POST /embed`` and ``POST /tokenize`` request models and response builders.
+
+Shapes follow Hugging Face text-embeddings-inference (``router/src/http/types.rs``): ``/embed``
+takes ``inputs`` (a string or a list of strings), ``truncate``, ``truncation_direction`` (TEI
+spells it ``Right``/``Left``; lower case is accepted too), ``normalize`` (default true),
+``dimensions`` and ``prompt_name``, and answers a bare JSON list of vectors. ``/tokenize``
+answers, per input, a list of ``{"id", "text", "special", "start", "stop"}`` built from the
+tokenizer's character offsets: special tokens carry their token string and null offsets, other
+tokens the slice of the input they cover - as TEI does.
+
+Where embedfleet differs, on purpose:
+
+* ``truncate`` absent or null means "the model's configured long-input policy" - TEI's own rule
+  (null falls back to the server's ``--auto-truncate``), and that policy may be ``chunk``.
+  ``truncate: true`` truncates in ``truncation_direction``; ``truncate: false`` rejects an input
+  longer than the model with a **400** (``InputTooLong``, naming the input's length and the limit),
+  not TEI's 413: 413 means "body too large" everywhere else in embedfleet, and one status per cause
+  is the errors module's rule.
+* Errors use embedfleet's one error body (``{"error": {"message", "type", "param", "code"}}``),
+  not TEI's ``{"error", "error_type"}``; validation errors are 422 naming the parameter, as on
+  ``/v1/embeddings``.
+* ``model`` (optional) picks the served model, since embedfleet serves several and TEI one;
+  absent means the configured default model.
+* Token-id ``inputs`` (which newer TEI accepts) are refused with a message pointing at
+  ``/v1/embeddings``, which takes them.
+* The bare-list response has no room for per-input notes, so what the long-input policy did is in
+  response headers (``long_input_headers``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypedDict
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+from pydantic_core import PydanticCustomError
+
+from embedfleet.deployments.request_path.long_input import InputPlan, LongInputPolicy, TruncationDirection
+from embedfleet.deployments.api.openai import parse_body
+
+
+def _bad(code: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError(code, message)
+
+
+def normalize_tei_inputs(value: Any) -> list[str]:
+    """TEI's ``inputs``: one string or a non-empty list of non-empty strings -> list of strings."""
+    if isinstance(value, str):
+        if not value:
+            raise _bad("empty_input", "inputs must not be an empty string")
+        return [value]
+    if not isinstance(value, list):
+        raise _bad("invalid_type", "inputs must be a string or a list of strings; got "
+                   f"{type(value).__name__}")
+    if not value:
+        raise _bad("empty_input", "inputs must not be an empty list")
+    for i, v in enumerate(value):
+        if isinstance(v, str):
+            if not v:
+                raise _bad("empty_input", f"inputs[{i}] is an empty string")
+            continue
+        if isinstance(v, int) or (isinstance(v, list) and v and all(isinstance(t, int) for t in v)):
+            raise _bad("invalid_type", "token-id inputs are not accepted on this route; send "
+                       "them to /v1/embeddings as 'input'")
+        raise _bad("invalid_type", f"inputs[{i}] has type {type(v).__name__}; items must be "
+                   "strings")
+    return list(value)
+
+
+def _direction(value: Any) -> Any:
+    # TEI's serde enum is spelled "Right"/"Left"; HF's tokenizers and embedfleet use lower case.
+    return value.lower() if isinstance(value, str) and value.lower() in ("right", "left") else value
+
+
+class TeiEmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[str] = Field(description="Text(s) to embed.")
+    truncate: bool | None = None
+    """True: truncate; False: reject over-long inputs (400); None: the model's long-input policy."""
+    truncation_direction: TruncationDirection = "right"
+    normalize: bool = True
+    dimensions: PositiveInt | None = None
+    prompt_name: str | None = None
+    model: str | None = None
+    """embedfleet extension: which served model; None = the default model."""
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> list[str]:
+        return normalize_tei_inputs(v)
+
+    @field_validator("truncation_direction", mode="before")
+    @classmethod
+    def _truncation_direction(cls, v: Any) -> Any:
+        return _direction(v)
+
+    def long_input_policy(self, model_default: LongInputPolicy) -> LongInputPolicy:
+        """The policy for this request, from the model's default and ``truncate``.
+
+        Only what the request says overrides the default: chunk sizes and the total bound always
+        come from the model's configuration.
+        """
+        update: dict[str, Any] = {}
+        if self.truncate is True:
+            update["mode"] = "truncate"
+        elif self.truncate is False:
+            update["mode"] = "reject"
+        if "truncation_direction" in self.model_fields_set:
+            update["truncation_direction"] = self.truncation_direction
+        return model_default.model_copy(update=update) if update else model_default
+
+
+class TeiTokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[str]
+    add_special_tokens: bool = True
+    prompt_name: str | None = None
+    model: str | None = None
+    """embedfleet extension: which served model; None = the default model."""
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> list[str]:
+        return normalize_tei_inputs(v)
+
+
+
+
+def parse_tei_embed_request(data: Any) -> TeiEmbedRequest:
+    """Decoded JSON -> ``TeiEmbedRequest``, or ``RequestValidation`` (422) naming the param."""
+    return parse_body(TeiEmbedRequest, data)
+
+
+def parse_tei_tokenize_request(data: Any) -> TeiTokenizeRequest:
+    """Decoded JSON -> ``TeiTokenizeRequest``, or ``RequestValidation`` (422) naming the param."""
+    return parse_body(TeiTokenizeRequest, data)
+
+
+# -- responses -------------------------------------------------------------------------------
+def tei_embed_response(vectors: Sequence[np.ndarray]) -> bytes:
+    """TEI's ``EmbedResponse``: a JSON list of float lists, in input order."""
+    return orjson.dumps([np.asarray(v, dtype=np.float32) for v in vectors],
+                        option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def long_input_headers(plans: Sequence[InputPlan]) -> dict[str, str]:
+    """Per-input long-input outcome as response headers, comma-separated in input order.
+
+    TEI's response is a bare list, so there is no field to put this in; headers are what TEI itself
+    uses for per-request metadata (its timing headers), and clients that do not look ignore them.
+    """
+    return {
+        "x-embedfleet-truncated": ",".join("1" if p.truncated else "0" for p in plans),
+        "x-embedfleet-dropped-tokens": ",".join(str(p.dropped_tokens) for p in plans),
+        "x-embedfleet-chunks": ",".join(str(p.chunks) for p in plans),
+    }
+
+
+class SimpleToken(TypedDict):
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+def simple_tokens(text: str, ids: Sequence[int], offsets: Sequence[tuple[int, int]],
+                  special_mask: Sequence[int], tokens: Sequence[str]) -> list[SimpleToken]:
+    """TEI's ``SimpleToken`` list for one input, from a tokenizer's encoding of ``text``.
+
+    ``offsets`` are character offsets (what HF fast tokenizers return); ``text`` must be the string
+    that was tokenised (after any prompt template), so the slices line up.
+    """
+    if not len(ids) == len(offsets) == len(special_mask) == len(tokens):
+        raise ValueError(f"encoding fields disagree in length: {len(ids)} ids, {len(offsets)} "
+                         f"offsets, {len(special_mask)} mask entries, {len(tokens)} tokens")
+    out: list[SimpleToken] = []
+    for tid, (start, stop), special, tok in zip(ids, offsets, special_mask, tokens):
+        if special:
+            out.append({"id": int(tid), "text": tok, "special": True, "start": None, "stop": None})
+        else:
+            out.append({"id": int(tid), "text": text[start:stop], "special": False,
+                        "start": int(start), "stop": int(stop)})
+    return out
+
+
+def tokenize_tei(tokenizer: Any, texts: Sequence[str],
+                 add_special_tokens: bool = True) -> list[list[SimpleToken]]:
+    """``/tokenize``'s body for ``texts`` with a Hugging Face fast tokenizer (the engine's own)."""
+    enc = tokenizer(list(texts), add_special_tokens=add_special_tokens,
+                    return_offsets_mapping=True, return_special_tokens_mask=True)
+    return [simple_tokens(text, ids, offs, mask, tokenizer.convert_ids_to_tokens(ids))
+            for text, ids, offs, mask in zip(texts, enc["input_ids"], enc["offset_mapping"],
+                                              enc["special_tokens_mask"])]
+
+
+def tei_tokenize_response(tokens: Sequence[Sequence[SimpleToken]]) -> bytes:
+    """TEI's ``TokenizeResponse``: one token list per input, in input order."""
+    return orjson.dumps([list(t) for t in tokens])

@@ -1,0 +1,366 @@
+"""MemoryGovernor: one Serve replica (no card) that turns card memory into per-card batch budgets.
+
+Every ``interval_s`` it runs ONE PromQL query for all cards (``embedfleet.deployments.control.memory_queries``), feeds
+each card's reading to the pure control law (``embedfleet.deployments.control.governor_law.step``) and keeps the result.
+Engine replicas pull their card's limits (``limits_for``) and enforce them as their
+``AdmissionBudget``. When Prometheus cannot answer, every card keeps its last limits marked stale
+(``hold_stale``) and serving goes on.
+
+Card identity — how a Prometheus series finds its replica. A card is ``(node, device)`` where
+``node`` is the node name the replica reports (``CardIdentity.node``: Ray's node name, which is
+the node IP unless ``ray start --node-name`` set one) and ``device`` the card id Ray assigned it
+(the physical id in ``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES``). Every preset yields series labelled
+``node`` and ``device``; per preset the labels must carry the same values:
+
+* ``embedfleet``: the replicas export ``embedfleet_card_memory_*{node=<node name>, device=<id>}``
+  and the recording rule keeps both labels — matches by construction.
+* ``npu-exporter``: ``device`` comes from npu-exporter's ``id`` (the physical chip id, what Ray
+  assigns). npu-exporter has no node label: the scrape config must attach ``node=<node IP>``, or
+  set ``node_label: instance`` to use the scrape target's host (an IP when targets are IPs).
+* ``dcgm``: ``device`` from ``gpu``; the node defaults to DCGM's ``Hostname`` label, which is a
+  host *name*: map names to IPs with ``node_aliases`` or use ``node_label: instance``.
+
+Metrics go through a ``MetricsSink`` (Ray gauges by default) so tests can see what is exported
+and a metrics failure can never stop the control loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+from embedfleet.deployments.control.governor_law import CardState, GovernorParams, hold_stale, step
+from embedfleet.deployments.control.memory_queries import (PRESETS, CardKey, CardMemoryQuery, CardReading, PresetName,
+                                    PrometheusQueryError, PrometheusUnavailable,
+                                    aquery_card_ratios, dcgm_query, npu_exporter_query)
+
+if TYPE_CHECKING:
+    from embedfleet.deployments.config import EmbedfleetConfig
+
+logger = logging.getLogger("embedfleet.governor")
+
+
+class GovernorConfig(BaseModel):
+    """Where the governor reads card memory, how often, and its control law's parameters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prometheus_url: str = "http://127.0.0.1:9090"
+    """Prometheus' base URL (the HTTP API is under ``/api/v1``)."""
+    query_preset: PresetName = "embedfleet"
+    """Which card memory query to run (``embedfleet.deployments.control.memory_queries.PRESETS``)."""
+    node_label: str | None = None
+    """For the exporter presets: the exporter label that names the node (``instance`` = the
+    scrape target's host). None: the preset's default. See the module docstring."""
+    node_aliases: dict[str, str] = Field(default_factory=dict)
+    """Prometheus ``node`` value → the node IP replicas report, for exporters that name nodes
+    differently (DCGM's hostnames)."""
+    interval_s: PositiveFloat = 5.0
+    """Seconds between control steps; replicas pull limits at the same pace."""
+    query_timeout_s: PositiveFloat = 3.0
+    """Bound on one Prometheus query (capped at ``interval_s``): a hung Prometheus must not
+    stretch the control interval."""
+    peak_window_s: PositiveFloat = 15.0
+    """Replicas export the highest card reading of this many seconds (``LimitsFollower``): Ray's
+    metrics agent reports every ~10 s, so a one-interval spike must outlive a report to be seen."""
+    forget_after_s: PositiveFloat = 60.0
+    """A card whose replica has not pulled limits for this long is dropped: its memory series
+    disappears with the replica, and keeping it would report "stale" forever."""
+    params: GovernorParams = GovernorParams()
+
+    @model_validator(mode="after")
+    def _check(self) -> GovernorConfig:
+        if self.query_preset == "embedfleet" and (self.node_label is not None
+                                                  or self.node_aliases):
+            raise ValueError(f"node_label={self.node_label!r} / node_aliases="
+                             f"{self.node_aliases!r} only apply to exporter presets; the "
+                             "embedfleet preset's series already carry the replicas' node names")
+        if self.params.cooldown_s < self.peak_window_s:
+            raise ValueError(f"params.cooldown_s ({self.params.cooldown_s}) must be at least "
+                             f"peak_window_s ({self.peak_window_s}): replicas report the peak of "
+                             "that window, so a shorter cooldown cuts again for the spike the "
+                             "last cut already answered")
+        if self.forget_after_s < 3 * self.interval_s:
+            raise ValueError(f"forget_after_s ({self.forget_after_s}) must be at least 3 x "
+                             f"interval_s ({self.interval_s}): replicas pull once per interval, "
+                             "and a couple of missed pulls must not drop a live card")
+        return self
+
+    def card_query(self) -> CardMemoryQuery:
+        if self.node_label is None and not self.node_aliases:
+            return PRESETS[self.query_preset]
+        if self.query_preset == "npu-exporter":
+            return npu_exporter_query(node_label=self.node_label or "node",
+                                      aliases=self.node_aliases)
+        return dcgm_query(node_label=self.node_label or "Hostname", aliases=self.node_aliases)
+
+
+class Ceiling(BaseModel):
+    """A card's configured budget: the most the governor will ever allow it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_sequences: PositiveInt
+    max_tokens: PositiveInt
+
+
+ReadingSource = Callable[[], Awaitable[dict[CardKey, CardReading]]]
+"""Where the governor's per-card readings come from: Prometheus (the default), or a simulated
+card (``benchmarks/governor_sim.py``). Raises ``PrometheusUnavailable`` when it cannot answer."""
+
+
+class MetricsSink(Protocol):
+    def set_gauge(self, name: str, value: float, tags: dict[str, str]) -> None: ...
+
+
+class RayMetricsSink:
+    """Ray user metrics (``embedfleet.deployments.metrics``). Failures are logged once and swallowed:
+    losing a gauge must never stop the governor from steering."""
+
+    def __init__(self) -> None:
+        self._warned = False
+
+    def set_gauge(self, name: str, value: float, tags: dict[str, str]) -> None:
+        try:
+            from embedfleet.deployments import metrics
+
+            metrics.get(name).set(value, tags=tags)
+        except Exception as exc:
+            if not self._warned:
+                logger.warning("cannot export governor metric %s (%r); further failures are "
+                               "not logged", name, exc)
+                self._warned = True
+
+
+@dataclass
+class _Card:
+    ceiling: Ceiling
+    state: CardState
+    last_pull: float
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+class MemoryGovernor:
+    """The Serve deployment class. Outside Serve (tests) pass ``autostart=False`` and call
+    ``tick()`` yourself; in Serve the control loop starts as a background task."""
+
+    def __init__(self, config: dict[str, Any],
+                 governor: GovernorConfig | dict[str, Any] | None = None, *,
+                 sink: MetricsSink | None = None, clock: Callable[[], float] = time.time,
+                 autostart: bool = True, readings: ReadingSource | None = None) -> None:
+        # Imported here: embedfleet.deployments.config imports GovernorConfig from this module.
+        from embedfleet.deployments.config import parse_config
+
+        self.cfg: EmbedfleetConfig = parse_config(config, "MemoryGovernor args")
+        if governor is None:  # once the main config carries `governor`, it is the source
+            governor = getattr(self.cfg, "governor", None) or GovernorConfig()
+        self.settings = (governor if isinstance(governor, GovernorConfig)
+                         else GovernorConfig.model_validate(governor))
+        self._query = self.settings.card_query()
+        self._readings = readings or self._from_prometheus
+        self._sink: MetricsSink = sink or RayMetricsSink()
+        self._clock = clock
+        self._cards: dict[CardKey, _Card] = {}
+        self._prometheus_error: str | None = None
+        self._last_tick_at: float | None = None
+        self._ticks = 0
+        self._tick_errors = 0
+        self._autostart = autostart
+        self._task: asyncio.Task[None] | None = None
+        self._ensure_started()
+        logger.info("memory governor: %s preset at %s every %g s (high %g, low %g)",
+                    self._query.name, self.settings.prometheus_url, self.settings.interval_s,
+                    self.settings.params.high, self.settings.params.low)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        # Serve runs the constructor on the replica's event loop; if there is none yet, the
+        # first method call (on the loop) starts it.
+        if not self._autostart or (self._task is not None and not self._task.done()):
+            return
+        try:
+            self.start()
+        except RuntimeError:  # no running event loop
+            pass
+
+    def start(self) -> asyncio.Task[None]:
+        """Run the control loop as a background task on the running event loop."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.run(),
+                                                               name="memory-governor")
+        return self._task
+
+    async def stop(self) -> None:
+        """Cancel the control loop; it stays stopped (no automatic restart on the next call)."""
+        self._autostart = False
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def run(self) -> None:
+        """Tick every ``interval_s`` (measured start to start) until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self.tick()
+            except Exception:  # a bug in one step must not end steering; limits stay as they are
+                self._tick_errors += 1
+                logger.exception("memory governor step failed; limits unchanged")
+                self._sink.set_gauge("embedfleet_governor_stale", 1, {})
+            await asyncio.sleep(max(0.0, self.settings.interval_s - (loop.time() - started)))
+
+    async def tick(self, now: float | None = None) -> dict[CardKey, CardState]:
+        """One control step for every known card; returns the new states.
+
+        ``now`` (unix s) defaults to the clock after the query returns, so a slow query does not
+        make fresh samples look old.
+        """
+        self._forget_idle(self._clock() if now is None else now)
+        if not self._cards:
+            self._sink.set_gauge("embedfleet_governor_stale", 0, {})
+            return {}
+        readings: dict[CardKey, CardReading] | None = None
+        why = ""
+        try:
+            readings = await self._readings()
+        except PrometheusQueryError as exc:
+            why = f"Prometheus rejected the memory query: {exc}"
+        except PrometheusUnavailable as exc:
+            why = f"Prometheus unavailable: {exc}"
+        now = self._clock() if now is None else now
+        self._note_prometheus(why or None)
+
+        params = self.settings.params
+        states: dict[CardKey, CardState] = {}
+        for key, card in list(self._cards.items()):
+            prev = card.state
+            if readings is None:
+                new = hold_stale(params, card.ceiling, prev, why[:300])
+            else:
+                r = readings.get(key)
+                new = step(params, card.ceiling, prev, r.ratio if r else None,
+                           r.sample_ts if r else None, now)
+            card.state = states[key] = new
+            if new.changed or prev.action == "start":
+                self._log_change(key, new)
+            self._publish_card(key, card)
+        self._sink.set_gauge("embedfleet_governor_stale",
+                             int(readings is None or any(s.stale for s in states.values())), {})
+        self._ticks += 1
+        self._last_tick_at = now
+        return states
+
+    async def _from_prometheus(self) -> dict[CardKey, CardReading]:
+        timeout = min(self.settings.query_timeout_s, self.settings.interval_s)
+        return await aquery_card_ratios(self.settings.prometheus_url, self._query,
+                                        timeout=timeout)
+
+    def _forget_idle(self, now: float) -> None:
+        for key in [k for k, c in self._cards.items()
+                    if now - c.last_pull > self.settings.forget_after_s]:
+            del self._cards[key]
+            logger.info("card %s/%s: no limit pull for %g s, forgotten", *key,
+                        self.settings.forget_after_s)
+
+    def _note_prometheus(self, error: str | None) -> None:
+        """Log outages once when they start and once when they end, not every interval."""
+        if error and not self._prometheus_error:
+            logger.warning("%s; holding the last limits of %d card(s)", error, len(self._cards))
+        elif not error and self._prometheus_error:
+            logger.info("Prometheus answers again at %s", self.settings.prometheus_url)
+        self._prometheus_error = error
+
+    def _log_change(self, key: CardKey, s: CardState) -> None:
+        level = logging.WARNING if s.action in ("decrease", "stale") else logging.INFO
+        ratio = "none" if s.ratio is None else f"{s.ratio:g}"
+        logger.log(level, "card %s/%s: ratio %s → %d seq / %d tok%s (%s)", *key, ratio,
+                   s.limits.max_sequences, s.limits.max_tokens,
+                   " [stale]" if s.stale else "", s.reason)
+
+    def _publish_card(self, key: CardKey, card: _Card) -> None:
+        tags = {"node": key[0], "device": key[1]}
+        ratio = _finite_or_none(card.state.ratio)
+        if ratio is not None:
+            self._sink.set_gauge("embedfleet_governor_memory_ratio", ratio, tags)
+        limits = self._effective(card)
+        self._sink.set_gauge("embedfleet_governor_limit_tokens", limits["max_tokens"], tags)
+        self._sink.set_gauge("embedfleet_governor_limit_sequences", limits["max_sequences"], tags)
+
+    # -- what replicas and status call -----------------------------------------------------------
+    @staticmethod
+    def _effective(card: _Card) -> dict[str, Any]:
+        # A smaller ceiling (redeploy) applies at once, before the next step re-clamps the state.
+        lim = card.state.limits
+        return {"max_sequences": min(lim.max_sequences, card.ceiling.max_sequences),
+                "max_tokens": min(lim.max_tokens, card.ceiling.max_tokens),
+                "stale": lim.stale, "reason": lim.reason,
+                "ratio": _finite_or_none(card.state.ratio), "action": card.state.action}
+
+    async def limits_for(self, node: str, device: str, ceiling: dict[str, Any]) -> dict[str, Any]:
+        """The card's current limits: ``{max_sequences, max_tokens, stale, reason, ratio,
+        action}``. The first call registers the card at its ``ceiling``
+        (``{max_sequences, max_tokens}``); later calls update the ceiling if it changed."""
+        self._ensure_started()
+        key: CardKey = (str(node), str(device))
+        ceil = Ceiling.model_validate(ceiling)
+        card = self._cards.get(key)
+        if card is None:
+            card = self._cards[key] = _Card(ceil, CardState.initial(ceil), self._clock())
+            logger.info("card %s/%s registered, ceiling %d seq / %d tok", *key,
+                        ceil.max_sequences, ceil.max_tokens)
+            self._publish_card(key, card)
+        else:
+            if ceil != card.ceiling:
+                logger.info("card %s/%s: ceiling %d seq / %d tok → %d seq / %d tok", *key,
+                            card.ceiling.max_sequences, card.ceiling.max_tokens,
+                            ceil.max_sequences, ceil.max_tokens)
+                card.ceiling = ceil
+            card.last_pull = self._clock()
+        return self._effective(card)
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Governor state for ``embedfleet status``: settings, Prometheus health, every card."""
+        self._ensure_started()
+        cards = []
+        for (node, device), card in sorted(self._cards.items()):
+            cards.append({"node": node, "device": device,
+                          "ceiling": card.ceiling.model_dump(), **self._effective(card),
+                          "sample_ts": card.state.sample_ts, "last_pull_at": card.last_pull})
+        return {
+            "prometheus_url": self.settings.prometheus_url,
+            "query_preset": self.settings.query_preset,
+            "interval_s": self.settings.interval_s,
+            "prometheus_ok": self._prometheus_error is None,
+            "prometheus_error": self._prometheus_error,
+            "stale": self._prometheus_error is not None or any(c["stale"] for c in cards),
+            "ticks": self._ticks,
+            "tick_errors": self._tick_errors,
+            "last_tick_at": self._last_tick_at,
+            "running": self._task is not None and not self._task.done(),
+            "cards": cards,
+        }
+
+    async def check_health(self) -> None:
+        """Serve's health check: the replica is unhealthy if its control loop has died."""
+        if self._autostart and self._task is not None and self._task.done():
+            raise RuntimeError("memory governor control loop is not running")
+
+    def __del__(self) -> None:
+        task = getattr(self, "_task", None)
+        if task is not None and not task.done():
+            task.cancel()

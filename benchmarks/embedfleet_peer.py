@@ -93,9 +93,23 @@ class EmbedfleetPeer(OpenAIHttpPeer):
         self.origin = "not started"
         self.models_entry: dict[str, Any] | None = None
         self.startup_s: float | None = None
+        self._scope: Any = None
 
     def skip_reason(self, workload: Workload) -> str | None:
         return None  # embedfleet chunks long inputs itself (`long_input: chunk`)
+
+    def cpu_scope(self, others: list[Any]) -> Any:
+        """Every process of the Ray cluster behind the URL (found from the process listening on
+        its port) and the Prometheus that `embedfleet up` started (its pid file in the state
+        dir): see ``ray_cluster_scope.RayCluster``."""
+        from embedfleet.benchmarks.ray_cluster_scope import RayCluster
+        from embedfleet.cluster.prometheus_server import PID_NAME
+        from embedfleet.deployments.settings import settings
+
+        if self._scope is None:  # located at its first reading, once the cluster is up
+            self._scope = RayCluster(urlparse(self.base_url).port or 80,
+                                     settings().state_dir / "prometheus" / PID_NAME)
+        return self._scope
 
     def request_extra(self, workload: Workload) -> dict[str, Any]:
         return {"long_input": "chunk"} if workload.chunked else {}

@@ -45,7 +45,7 @@ from embedfleet.deployments.engine.gate import EngineGate
 from embedfleet.deployments.errors import Overloaded
 from embedfleet.deployments.control.governor import MemoryGovernor
 from embedfleet.deployments.control.limits import LimitsFollower
-from embedfleet.deployments.engine.vllm_api import KvUsageTracker
+from embedfleet.deployments.engine.kv_usage import KvUsageTracker
 from embedfleet.deployments.control.memory_queries import CardReading
 
 GiB = 1 << 30
@@ -237,7 +237,7 @@ async def simulate(governor_on: bool, seed: int, surge: int, ramp_s: float,
     card = Card(max_batched=m.engine.max_num_batched_tokens, util=m.engine.gpu_memory_utilization)
     engine = SimEngine(card, loop.time)
     prom = ScrapedPrometheus(loop.time)
-    budget = AdmissionBudget(ceiling["max_sequences"], ceiling["max_tokens"],
+    budget = AdmissionBudget(ceiling.max_sequences, ceiling.max_tokens,
                              max_waiting=100_000, queue_timeout_s=3600, clock=loop.time)
     gov = MemoryGovernor(cfg.model_dump(mode="json"), sink=prom,
                          clock=lambda: EPOCH + loop.time(), readings=prom.readings) \
@@ -259,7 +259,7 @@ async def simulate(governor_on: bool, seed: int, surge: int, ramp_s: float,
 
     await asyncio.sleep(idle_s)  # ten idle minutes on the shipped config
     idle = [r for t, r in run.ratios if t <= idle_s]
-    idle_budget = min(b for t, b in run.budgets if t <= idle_s) / ceiling["max_tokens"]
+    idle_budget = min(b for t, b in run.budgets if t <= idle_s) / ceiling.max_tokens
 
     rng = random.Random(seed)
     sizes = [32768, 32768, 32768, 16384, 8192, 2048]
@@ -292,7 +292,7 @@ async def simulate(governor_on: bool, seed: int, surge: int, ramp_s: float,
     recovered = None
     while loop.time() - surge_end < 900:
         await asyncio.sleep(1.0)
-        if budget.limits == (ceiling["max_sequences"], ceiling["max_tokens"]):
+        if budget.limits == (ceiling.max_sequences, ceiling.max_tokens):
             recovered = loop.time() - surge_end
             break
     for t in tasks:
@@ -307,7 +307,7 @@ async def simulate(governor_on: bool, seed: int, surge: int, ramp_s: float,
             "surge_s": round(surge_end - t0, 1),
             "surge_tokens_per_s": round(engine.completed_tokens / (surge_end - t0), 1),
             "surge_max_ratio": round(max(surge_ratios, default=0.0), 4),
-            "min_budget_fraction": round(min(b for _, b in run.budgets) / ceiling["max_tokens"],
+            "min_budget_fraction": round(min(b for _, b in run.budgets) / ceiling.max_tokens,
                                          4),
             "recovered_s": None if recovered is None else round(recovered, 1)}
 

@@ -1,5 +1,6 @@
-"""Numbers and output of `embedfleet bench`: per-run records, the summary (medians of repeats and
-ratios), the correctness check, the JSON report, the PNG chart and the closing table.
+"""Numbers of `embedfleet bench`: per-run records, the summary (medians of repeats and ratios), the
+issue's goals, the correctness check and the JSON report. What it prints from them is
+benchmarks/report_text.py; the PNG chart is benchmarks/chart.py.
 
 Pure functions of the runs, so tests/test_bench_unit.py can check the math and the schema without
 an engine.
@@ -8,8 +9,8 @@ an engine.
 from __future__ import annotations
 
 import json
-import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,46 @@ MIN_COSINE = 0.999  # vectors of one text from two peers must agree at least thi
 # The report's shape, one place: tests check build_report's output against it.
 REPORT_KEYS = ("schema", "command", "started_at", "finished_at", "machine", "settings",
                "workloads", "peers", "runs", "skipped", "correctness", "summary", "ratios",
-               "prefix_cache", "ok", "problems")
+               "goals", "cpu_accounting", "prefix_cache", "ok", "problems")
 RUN_KEYS = ("repeat", "workload", "peer", "texts", "tokens", "requests", "seconds",
-            "texts_per_s", "tokens_per_s", "p50_ms", "p99_ms", "latencies_ms", "error")
+            "texts_per_s", "tokens_per_s", "p50_ms", "p99_ms", "latencies_ms", "cpu_s",
+            "cpu_s_per_1k", "driver_cpu_s_per_1k", "cpu", "error")
 SUMMARY_KEYS = ("repeats", "texts_per_s", "tokens_per_s", "p50_ms", "p99_ms", "ratio_to_vllm",
-                "texts_per_s_runs")
+                "texts_per_s_runs", "p50_minus_vllm_ms", "cpu_s_per_1k", "cpu_s_per_1k_runs",
+                "cpu_ratio_to_vllm", "driver_cpu_s_per_1k", "cpu_by_group_s_per_1k",
+                "machine_other_cpu_s_per_1k")
+GOAL_KEYS = ("goal", "workload", "peer", "reference", "metric", "op", "target", "value",
+             "repeats", "status", "met", "reason")
+MIN_GOAL_REPEATS = 5  # a goal is judged on medians of at least this many alternating repeats
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One figure the issue names, judged on the summary's medians."""
+
+    name: str
+    workload: str
+    metric: str  # "texts_per_s_ratio": peer / reference; "p50_overhead_ms": peer - reference
+    op: str  # ">=" or "<="
+    target: float
+    texts_per_request: int
+    concurrency: int | None = None  # None: whatever --concurrency the run used
+    peer: str = "embedfleet"
+    reference: str = BASELINE
+
+
+# Targets: the router overhead's 3 ms is the issue's; the ratios follow the README's goals
+# (embedfleet >= 0.95 of bare vLLM, >= 1.1 of `vllm serve`). One place to change them.
+GOALS = (
+    Goal("online: embedfleet / vllm serve, texts/s", "online", "texts_per_s_ratio", ">=", 1.1,
+         texts_per_request=1, concurrency=16, reference="vllm-serve"),
+    Goal("online: embedfleet / bare vLLM, texts/s", "online", "texts_per_s_ratio", ">=", 0.95,
+         texts_per_request=1, concurrency=16),
+    Goal("short, 32 texts/request: embedfleet / bare vLLM, texts/s", "short",
+         "texts_per_s_ratio", ">=", 0.95, texts_per_request=32),
+    Goal("router overhead: p50 embedfleet - bare vLLM, 1 text, 1 in flight (ms)",
+         "router-overhead", "p50_overhead_ms", "<=", 3.0, texts_per_request=1, concurrency=1),
+)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -38,11 +74,37 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def per_1k(cpu_s: float | None, texts: int) -> float | None:
+    return round(1000 * cpu_s / texts, 4) if cpu_s is not None and texts else None
+
+
+def cpu_section(reading: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A run's CPU reading (``process_cpu.CpuMeter.stop()``) as the record's ``cpu`` field:
+    the peer's processes, the load driver's (None when the driver runs inside the peer's
+    processes: the in-process ``vllm`` peer) and what the rest of the machine used meanwhile."""
+    if reading is None:
+        return None
+    scopes = reading["scopes"]
+    peer, driver = scopes["peer"], scopes.get("driver")
+    other = reading["machine_busy_cpu_s"] - peer["cpu_s"] - (driver["cpu_s"] if driver else 0)
+    # No process found (a cluster that could not be located): unmeasured, never 0 CPU.
+    return {"measured": peer["processes"] > 0, "peer": peer, "driver": driver,
+            "driver_in_peer": driver is None,
+            "machine_busy_cpu_s": reading["machine_busy_cpu_s"],
+            "machine_other_cpu_s": round(other, 3), "machine_cores": reading["machine_cores"],
+            "wall_s": reading["wall_s"]}
+
+
 def run_record(*, repeat: int, workload: str, peer: str, latencies: list[float], seconds: float,
-               texts: int, tokens: int, error: str | None = None) -> dict[str, Any]:
+               texts: int, tokens: int, error: str | None = None,
+               cpu: dict[str, Any] | None = None) -> dict[str, Any]:
     """One timed pass of one peer over one workload. ``tokens`` is the workload's token count
-    from the model's tokenizer (the same for every peer), not what the peer reports."""
+    from the model's tokenizer (the same for every peer), not what the peer reports. ``cpu``:
+    the run's ``CpuMeter`` reading (scopes ``peer`` and, for peers outside this process,
+    ``driver``), or None when CPU was not measured."""
     ok = error is None and seconds > 0 and latencies
+    c = cpu_section(cpu) if ok else None
+    cpu_s = c["peer"]["cpu_s"] if c and c["measured"] else None
     return {
         "repeat": repeat, "workload": workload, "peer": peer, "texts": texts, "tokens": tokens,
         "requests": len(latencies), "seconds": round(seconds, 4),
@@ -51,16 +113,35 @@ def run_record(*, repeat: int, workload: str, peer: str, latencies: list[float],
         "p50_ms": round(1000 * percentile(latencies, 0.50), 2) if ok else None,
         "p99_ms": round(1000 * percentile(latencies, 0.99), 2) if ok else None,
         "latencies_ms": [round(1000 * x, 2) for x in latencies],
+        "cpu_s": cpu_s,
+        "cpu_s_per_1k": per_1k(cpu_s, texts),
+        "driver_cpu_s_per_1k": per_1k(c["driver"]["cpu_s"], texts) if c and c["driver"]
+        else None,
+        "cpu": c,
         "error": error,
     }
 
 
-def _median(xs: list[float], digits: int = 3) -> float | None:
+def _median(xs: list[float | None], digits: int = 3) -> float | None:
+    xs = [x for x in xs if x is not None]
     return round(statistics.median(xs), digits) if xs else None
 
 
+def _group_medians(rs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Median CPU-s per 1k texts of each process group (a group missing from a run counts 0)."""
+    with_cpu = [r for r in rs if r.get("cpu") and r["cpu"]["measured"]]
+    if not with_cpu:
+        return None
+    groups = {g for r in with_cpu for g in r["cpu"]["peer"]["by_group"]}
+    med = {g: _median([per_1k(r["cpu"]["peer"]["by_group"].get(g, 0.0), r["texts"])
+                       for r in with_cpu], 4) for g in groups}
+    return dict(sorted(med.items(), key=lambda kv: -(kv[1] or 0)))
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """{workload: {peer: medians over the successful repeats, and the ratio to ``vllm``}}."""
+    """{workload: {peer: medians over the successful repeats, and the ratios to ``vllm``}}:
+    texts/s, tokens/s, p50/p99, CPU-s per 1k texts (the peer's processes; the load driver's
+    separately where it is not inside them; per process group; the rest of the machine)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for r in runs:
         if r["error"] is None:
@@ -76,10 +157,21 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
                 "p50_ms": _median([r["p50_ms"] for r in rs], 2),
                 "p99_ms": _median([r["p99_ms"] for r in rs], 2),
                 "texts_per_s_runs": [r["texts_per_s"] for r in rs],
+                "cpu_s_per_1k": _median([r.get("cpu_s_per_1k") for r in rs], 4),
+                "cpu_s_per_1k_runs": [r.get("cpu_s_per_1k") for r in rs],
+                "driver_cpu_s_per_1k": _median([r.get("driver_cpu_s_per_1k") for r in rs], 4),
+                "cpu_by_group_s_per_1k": _group_medians(rs),
+                "machine_other_cpu_s_per_1k": _median(
+                    [per_1k(r["cpu"]["machine_other_cpu_s"], r["texts"])
+                     for r in rs if r.get("cpu") and r["cpu"]["measured"]], 4),
             })
-        base = per_peer.get(BASELINE, {}).get("texts_per_s")
+        base = per_peer.get(BASELINE, {})
         for s in per_peer.values():
-            s["ratio_to_vllm"] = ratio(s["texts_per_s"], base)
+            s["ratio_to_vllm"] = ratio(s["texts_per_s"], base.get("texts_per_s"))
+            s["cpu_ratio_to_vllm"] = ratio(s["cpu_s_per_1k"], base.get("cpu_s_per_1k"))
+            s["p50_minus_vllm_ms"] = (round(s["p50_ms"] - base["p50_ms"], 2)
+                                      if s["p50_ms"] is not None
+                                      and base.get("p50_ms") is not None else None)
     return out
 
 
@@ -93,6 +185,52 @@ def pair_ratios(summary: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict
                                   p.get(b, {}).get("texts_per_s"))
                          for w, p in summary.items()}
             for a, b in PAIR_RATIOS}
+
+
+def evaluate_goals(summary: dict[str, dict[str, dict[str, Any]]],
+                   workloads: dict[str, dict[str, Any]], goals: tuple[Goal, ...] = GOALS,
+                   min_repeats: int = MIN_GOAL_REPEATS) -> list[dict[str, Any]]:
+    """Each goal's value from the summary's medians, and its status: ``met``, ``not met``,
+    ``needs >= 5 repeats`` (fewer successful repeats of either peer: never called met), or
+    ``not measured`` (a peer or the workload did not run, or ran with another shape)."""
+    out = []
+    for g in goals:
+        row: dict[str, Any] = {"goal": g.name, "workload": g.workload, "peer": g.peer,
+                               "reference": g.reference, "metric": g.metric, "op": g.op,
+                               "target": g.target, "value": None, "repeats": 0,
+                               "status": "not measured", "met": None, "reason": None}
+        out.append(row)
+        info = workloads.get(g.workload)
+        a = summary.get(g.workload, {}).get(g.peer)
+        b = summary.get(g.workload, {}).get(g.reference)
+        if info is None:
+            row["reason"] = f"workload {g.workload} did not run"
+            continue
+        shape = (info.get("texts_per_request"), info.get("concurrency"))
+        want = (g.texts_per_request, g.concurrency if g.concurrency is not None else shape[1])
+        if shape != want:
+            row["reason"] = (f"{g.workload} ran with {shape[0]} texts per request, {shape[1]} in "
+                             f"flight; the goal is for {want[0]} and {want[1]}")
+            continue
+        if not a or not b:
+            row["reason"] = f"needs successful runs of both {g.peer} and {g.reference}"
+            continue
+        if g.metric == "texts_per_s_ratio":
+            value = ratio(a["texts_per_s"], b["texts_per_s"])
+        else:
+            value = (round(a["p50_ms"] - b["p50_ms"], 2)
+                     if a["p50_ms"] is not None and b["p50_ms"] is not None else None)
+        row["value"], row["repeats"] = value, min(a["repeats"], b["repeats"])
+        if value is None:
+            row["reason"] = "no value (a median is missing)"
+        elif row["repeats"] < min_repeats:
+            row["status"] = f"needs >= {min_repeats} repeats"
+            row["reason"] = (f"medians of {row['repeats']} repeat(s); a goal is judged on "
+                             f">= {min_repeats}")
+        else:
+            row["met"] = value >= g.target if g.op == ">=" else value <= g.target
+            row["status"] = "met" if row["met"] else "not met"
+    return out
 
 
 def min_cosine(reference: list[np.ndarray], other: list[np.ndarray]) -> float:
@@ -140,7 +278,8 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
                  machine: dict[str, Any], settings: dict[str, Any],
                  workloads: dict[str, Any], peers: dict[str, Any], runs: list[dict[str, Any]],
                  skipped: list[dict[str, Any]], probes: dict[str, dict[str, list[np.ndarray]]],
-                 prefix_cache: dict[str, Any] | None) -> dict[str, Any]:
+                 prefix_cache: dict[str, Any] | None,
+                 cpu_accounting: dict[str, Any] | None = None) -> dict[str, Any]:
     summary = summarize(runs)
     checks = correctness(probes)
     failed_peers = [n for n, p in peers.items() if p.get("status") == "failed"]
@@ -152,6 +291,8 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
         "finished_at": finished_at, "machine": machine, "settings": settings,
         "workloads": workloads, "peers": peers, "runs": runs, "skipped": skipped,
         "correctness": checks, "summary": summary, "ratios": pair_ratios(summary),
+        "goals": evaluate_goals(summary, workloads),
+        "cpu_accounting": cpu_accounting,
         "prefix_cache": prefix_cache,
         "ok": not (failed_peers or disagree or run_errors or pc_bad),
         "problems": {"failed_peers": failed_peers, "disagreeing": disagree,
@@ -168,6 +309,8 @@ def check_schema(report: dict[str, Any]) -> list[str]:
     for w, per_peer in report.get("summary", {}).items():
         for p, s in per_peer.items():
             problems += [f"summary[{w}][{p}] lacks {k!r}" for k in SUMMARY_KEYS if k not in s]
+    for i, g in enumerate(report.get("goals") or []):
+        problems += [f"goals[{i}] lacks {k!r}" for k in GOAL_KEYS if k not in g]
     return problems
 
 
@@ -181,130 +324,3 @@ def write_json(report: dict[str, Any], path: Path) -> Path:
 
     path.write_text(json.dumps(report, indent=2, default=default, allow_nan=False) + "\n")
     return path
-
-
-# -- chart -------------------------------------------------------------------------------------
-def write_chart(report: dict[str, Any], path: Path) -> Path:
-    """One panel per workload (median texts/s per peer, ratio to vllm on each bar) and one for
-    the prefix-cache comparison. Agg backend: no display needed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = report["summary"]
-    panels = list(summary)
-    pc = (report.get("prefix_cache") or {}).get("summary")
-    n = len(panels) + (1 if pc else 0)
-    fig, axes = plt.subplots(1, max(n, 1), figsize=(4.2 * max(n, 1), 4.2), squeeze=False)
-    colors = {"vllm": "#4c72b0", "vllm-serve": "#55a868", "infinity": "#c44e52",
-              "embedfleet": "#8172b2", "prefix cache on": "#4c72b0", "prefix cache off": "#999999"}
-    for ax, workload in zip(axes[0], panels):
-        peers = list(summary[workload])
-        vals = [summary[workload][p]["texts_per_s"] or 0 for p in peers]
-        bars = ax.bar(peers, vals, color=[colors.get(p, "#777777") for p in peers])
-        for b, p in zip(bars, peers):
-            r = summary[workload][p]["ratio_to_vllm"]
-            ax.annotate(f"{b.get_height():.1f}" + (f"\n×{r:.2f}" if r is not None else ""),
-                        (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
-                        va="bottom", fontsize=8)
-        missing = [p for p in report["peers"] if p not in summary[workload]]
-        if missing:
-            ax.text(0.98, 0.97, "not run: " + ", ".join(missing), transform=ax.transAxes,
-                    ha="right", va="top", fontsize=7, color="#555555")
-        ax.set_title(workload)
-        ax.set_ylabel("texts/s (median of repeats)")
-        ax.set_ylim(0, max(vals + [1]) * 1.3)
-        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    if pc:
-        ax = axes[0][len(panels)]
-        labels = ["prefix cache on", "prefix cache off"]
-        vals = [pc["on"]["texts_per_s"] or 0, pc["off"]["texts_per_s"] or 0]
-        for b in ax.bar(labels, vals, color=[colors[x] for x in labels]):
-            ax.annotate(f"{b.get_height():.1f}", (b.get_x() + b.get_width() / 2,
-                                                  b.get_height()), ha="center", va="bottom",
-                        fontsize=8)
-        r = pc.get("on_over_off")
-        ax.set_title(f"prefix-cache (causal): on/off ×{r:.2f}" if r else "prefix-cache (causal)")
-        ax.set_ylabel("texts/s (median of repeats)")
-        ax.set_ylim(0, max(vals + [1]) * 1.2)
-        ax.tick_params(axis="x", labelsize=8)
-    m = report.get("machine", {})
-    fig.suptitle(f"embedfleet bench - {m.get('cpu_model', '?')}, {m.get('cores_used', '?')} "
-                 f"cores, {report['settings'].get('model', '')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-# -- table -------------------------------------------------------------------------------------
-def _fmt(x: float | None, spec: str = ",.1f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def _clip(text: str, width: int = 72) -> str:
-    return text if len(text) <= width else text[:width - 1] + "…"
-
-
-def summary_table(report: dict[str, Any]) -> Any:
-    from rich.table import Table
-
-    t = Table(title="embedfleet bench: median of repeats", show_lines=False)
-    for col, just in (("workload", "left"), ("peer", "left"), ("texts/s", "right"),
-                      ("tokens/s", "right"), ("p50 ms", "right"), ("p99 ms", "right"),
-                      ("× vllm", "right"), ("min cos", "right"), ("note", "left")):
-        t.add_column(col, justify=just)
-    checks = report["correctness"]
-    skipped = {(s["workload"], s["peer"]): s["reason"] for s in report["skipped"]}
-    for w in report["workloads"]:
-        peers = list(report["peers"])
-        for p in peers:
-            s = report["summary"].get(w, {}).get(p)
-            c = checks.get(w, {}).get(p, {})
-            if s is None:
-                reason = skipped.get((w, p)) or report["peers"][p].get("reason") or "no run"
-                t.add_row(w, p, "-", "-", "-", "-", "-", "-", _clip(f"skipped: {reason}"))
-                continue
-            cos = c.get("min_cosine")
-            note = "" if c.get("ok") is not False else "[red]VECTORS DISAGREE[/red]"
-            if w == "long" and p == "vllm":
-                note = "pre-chunked client-side (engine-limit reference)"
-            t.add_row(w, p, _fmt(s["texts_per_s"]), _fmt(s["tokens_per_s"], ",.0f"),
-                      _fmt(s["p50_ms"]), _fmt(s["p99_ms"]), _fmt(s["ratio_to_vllm"], ".2f"),
-                      "ref" if p == BASELINE else _fmt(cos, ".5f"), note)
-    return t
-
-
-def closing_lines(report: dict[str, Any]) -> list[str]:
-    lines = []
-    for name, per_w in report["ratios"].items():
-        if all(v is None for v in per_w.values()):
-            lines.append(f"{name}: n/a (not both peers ran)")
-            continue
-        vals = ", ".join(f"{w} {_fmt(v, '.2f')}" for w, v in per_w.items())
-        lines.append(f"{name} (texts/s): {vals}")
-    pc = report.get("prefix_cache")
-    if pc and pc.get("summary"):
-        s = pc["summary"]
-        lines.append(
-            f"prefix-cache ({pc['model']}, {pc['workload_params'].get('prefix_tokens')}-token "
-            f"shared prefix): on {_fmt(s['on']['texts_per_s'])} vs off "
-            f"{_fmt(s['off']['texts_per_s'])} texts/s = ×{_fmt(s.get('on_over_off'), '.2f')} "
-            f"(issue goal ≥ 3×: {'met' if (s.get('on_over_off') or 0) >= 3 else 'NOT met'}); "
-            f"cached share of prompt tokens {_fmt(s['on'].get('cached_share'), '.1%')}")
-        lines.append(
-            "  the engine's own numbers, on / off: tokens computed per run "
-            f"{_fmt(s['on'].get('computed_tokens'), ',.0f')} / "
-            f"{_fmt(s['off'].get('computed_tokens'), ',.0f')}; per sequence: prefill "
-            f"{_fmt(s['on'].get('prefill_ms_per_seq'), '.1f')} / "
-            f"{_fmt(s['off'].get('prefill_ms_per_seq'), '.1f')} ms, queue "
-            f"{_fmt(s['on'].get('queue_ms_per_seq'), '.1f')} / "
-            f"{_fmt(s['off'].get('queue_ms_per_seq'), '.1f')} ms, end-to-end "
-            f"{_fmt(s['on'].get('e2e_ms_per_seq'), '.1f')} / "
-            f"{_fmt(s['off'].get('e2e_ms_per_seq'), '.1f')} ms")
-    elif pc:
-        lines.append(f"prefix-cache: {pc.get('status')}: {pc.get('reason')}")
-    lines.append("result: OK" if report["ok"]
-                 else f"result: PROBLEMS {json.dumps(report['problems'])}")
-    return lines

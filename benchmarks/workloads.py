@@ -36,8 +36,10 @@ course theory energy growth health science research""".split())
 SPECIAL_TOKENS = 2  # [CLS] and [SEP] around every text
 WARMUP_SEED_OFFSET = 10_000
 
-NAMES = ("short", "mixed", "shared-instruction", "long")
+NAMES = ("short", "mixed", "shared-instruction", "long", "online", "router-overhead")
 """The workloads every MiniLM peer runs, in run order (`prefix-cache` is separate: causal model)."""
+ONLINE_CONCURRENCY = 16
+"""Online traffic: one text per request, this many requests in flight."""
 
 
 @dataclass(frozen=True)
@@ -49,20 +51,23 @@ class Sizes:
     shared_instruction: int = 256
     long: int = 16
     long_tokens: tuple[int, int] = (2000, 6000)
+    online: int = 1000
+    router_overhead: int = 300  # requests of one text, one at a time: enough for a stable p50
     warmup_requests: int = 4
     probe_texts: int = 8  # texts per workload whose vectors are compared across peers
 
     def count(self, name: str) -> int:
         return {"short": self.short, "mixed": self.mixed, "shared-instruction":
                 self.shared_instruction, "long": self.long,
-                "prefix-cache": self.shared_instruction}[name]
+                "prefix-cache": self.shared_instruction, "online": self.online,
+                "router-overhead": self.router_overhead}[name]
 
 
 FULL = Sizes()
 # --quick: enough to exercise every peer end to end (a couple of requests per run), not to measure.
 # Kept small because it runs in `make test` on two cores beside the session cluster.
 QUICK = Sizes(short=32, mixed=32, shared_instruction=8, long=2, long_tokens=(600, 1200),
-              warmup_requests=1, probe_texts=4)
+              online=32, router_overhead=8, warmup_requests=1, probe_texts=4)
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class Workload:
     """Documents longer than the model: embedfleet chunks them, bare vLLM gets them pre-chunked."""
     batch: int | None = None
     """Texts per request for this workload; None = the harness's ``--batch``."""
+    concurrency: int | None = None
+    """Requests in flight for this workload; None = the harness's ``--concurrency``."""
 
     @property
     def probe(self) -> list[str]:
@@ -146,6 +153,17 @@ def build(name: str, sizes: Sizes, *, max_len: int, batch: int = 32, seed: int =
     n = sizes.count(name)
     warm = sizes.warmup_requests * batch  # warm-up texts: full requests of the run's batch size
     common = {"probe_texts": sizes.probe_texts}
+    if name in ("online", "router-overhead"):
+        # The short workload's queries (same seed: the same texts), one per request; online
+        # traffic with 16 in flight, or one at a time for the per-request latency of each hop.
+        # Warm-up: at least one request per connection the run will hold open.
+        conc = ONLINE_CONCURRENCY if name == "online" else 1
+        what = (f"short queries, 3-20 words, 1 per request, {conc} in flight (online traffic)"
+                if name == "online" else
+                "short queries, 3-20 words, 1 per request, 1 in flight (per-request latency)")
+        return Workload(name, what, short_queries(n, seed),
+                        short_queries(max(sizes.warmup_requests, conc), seed + WARMUP_SEED_OFFSET),
+                        seed, {**common, "words": [3, 20]}, batch=1, concurrency=conc)
     if name == "short":
         return Workload(name, "short queries, 3-20 words", short_queries(n, seed),
                         short_queries(warm, seed + WARMUP_SEED_OFFSET), seed,

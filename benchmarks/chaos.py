@@ -5,18 +5,33 @@
     python -m embedfleet.benchmarks.chaos --soak --config my-cluster.yaml   # 10 min, a fault every minute
     python -m embedfleet.benchmarks.chaos --duration 30 --rps 20 --faults none  # load only
 
-Faults, taken in turn on the schedule (the first after one period, as warm-up):
+Faults, taken in turn on the schedule (the first after one period, as warm-up); --soak takes them
+all in this order, one a minute:
   kill-replica     ray.kill() a random Serve replica actor of an `engine-*` deployment
   kill-engine      SIGKILL the vLLM EngineCore child process of a random engine replica
   stop-prometheus  stop the Prometheus `embedfleet up` runs; restart it --prometheus-down s later
                    (with --config: give the config the cluster was started with)
+  kill-proxy       ray.kill() the Serve proxy (ProxyActor); Serve's controller starts a new one
+  pause-engine     SIGSTOP a random engine's EngineCore and its workers (a hung card, not a dead
+                   one) for --pause s, by default the health-check timeout plus one check period;
+                   then SIGCONT
+  kill-governor    ray.kill() the MemoryGovernor replica; Serve replaces it
+  flood-kill       send one model a burst of one-text requests beyond its admission bounds
+                   (--burst; else 1.5x the bound read from --config; else 256), then ray.kill()
+                   one of its replicas under it; the burst's outcomes are reported on the fault,
+                   apart from the load's
+  kill-controller  ray.kill() the ServeController with restart allowed; Ray restarts it
+  kill-registry    ray.kill() the FleetRegistry replica; Serve replaces it
 
 Load: seeded mixed requests (one text, a batch of texts, token ids) across the served models.
 The run is bounded by --duration and --max-requests, and only ever targets a loopback URL: this
 tool kills processes, so it must never be pointed at somebody else's cluster by a typo.
-Report: requests sent / succeeded / failed by status, p50/p99 latency, faults injected, and RSS of
-the proxy, router and replica process trees at start and end; JSON under benchmarks/results/ plus
-a readable summary. Not part of `make test`.
+Report: requests sent / succeeded / failed by status, p50/p99 latency, and for the whole run,
+before the first fault and in each fault's window (to the next fault), what clients saw by model:
+requests, successes, status counts, client timeouts, whether every failure was a 503/429 with
+Retry-After, p50/p99; RSS of each Serve process at start and end, by role and by pid. JSON under
+benchmarks/results/ (figures of record under "summary") plus a readable summary. Not part of
+`make test`.
 """
 
 from __future__ import annotations
@@ -31,24 +46,59 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-# Options, orchestration and the command live here; the faults in chaos_faults, the load and its
-# report in chaos_load. Their names are re-exported because tests import them from here.
-from embedfleet.benchmarks.chaos_faults import (ENGINE_REPLICA, FAULT_KINDS, Cluster, engine_core_pids,
-                                     engine_replicas, fault_schedule, inject_faults, parse_faults,
-                                     process_role)
-from embedfleet.benchmarks.chaos_load import (MAX_CONCURRENCY, MAX_DURATION_S, MAX_REQUESTS, MAX_RPS, Tally,
-                                   build_report, classify, memory_growth, mixed_request,
-                                   percentile, run_load, summary)
+# Options, orchestration and the command live here; what each fault hits in chaos_targets, the
+# faults in chaos_faults, the load in chaos_load, the per-model arithmetic in chaos_stats and the
+# report in chaos_report. Their names are re-exported because tests import them from here.
+from embedfleet.benchmarks.chaos_faults import (
+    Cluster,
+    fault_schedule,
+    flood_plan,
+    inject_faults,
+    parse_faults,
+)
+from embedfleet.benchmarks.chaos_load import (
+    MAX_CONCURRENCY,
+    MAX_DURATION_S,
+    MAX_REQUESTS,
+    MAX_RPS,
+    Tally,
+    classify,
+    mixed_request,
+    run_load,
+)
+from embedfleet.benchmarks.chaos_report import build_report, summary
+from embedfleet.benchmarks.chaos_stats import Sample, by_model, memory_growth, percentile, stats
+from embedfleet.benchmarks.chaos_targets import (
+    ENGINE_REPLICA,
+    FAULT_KINDS,
+    MAX_BURST,
+    TARGETS,
+    burst_size,
+    engine_core_pids,
+    engine_replicas,
+    find_targets,
+    is_actor_process,
+    model_of,
+    pause_seconds,
+    process_role,
+    serve_actors,
+)
 
 __all__ = [
     # this module: options, orchestration, the command
-    "RESULTS", "DEFAULTS", "SOAK", "check_loopback", "resolve_options", "run", "drive", "main",
+    "RESULTS", "DEFAULTS", "SOAK", "MAX_PAUSE_S", "check_loopback", "resolve_options",
+    "default_pause", "run", "drive", "main",
+    # embedfleet.benchmarks.chaos_targets
+    "FAULT_KINDS", "TARGETS", "ENGINE_REPLICA", "MAX_BURST", "find_targets", "engine_replicas",
+    "serve_actors", "model_of", "process_role", "is_actor_process", "engine_core_pids",
+    "burst_size", "pause_seconds",
     # embedfleet.benchmarks.chaos_faults
-    "FAULT_KINDS", "ENGINE_REPLICA", "parse_faults", "fault_schedule", "engine_replicas",
-    "process_role", "engine_core_pids", "Cluster",
+    "parse_faults", "fault_schedule", "flood_plan", "Cluster",
     # embedfleet.benchmarks.chaos_load
-    "MAX_DURATION_S", "MAX_REQUESTS", "MAX_CONCURRENCY", "MAX_RPS", "percentile", "classify",
-    "mixed_request", "Tally", "memory_growth", "build_report", "summary",
+    "MAX_DURATION_S", "MAX_REQUESTS", "MAX_CONCURRENCY", "MAX_RPS", "classify", "mixed_request",
+    "Tally",
+    # embedfleet.benchmarks.chaos_stats and chaos_report
+    "Sample", "percentile", "stats", "by_model", "memory_growth", "build_report", "summary",
 ]
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -56,6 +106,9 @@ DEFAULTS = {"duration": 60.0, "concurrency": 4, "rps": None, "fault_every": 30.0
             "faults": "none", "max_requests": 10_000}
 SOAK = {"duration": 600.0, "concurrency": 4, "fault_every": 60.0,
         "faults": ",".join(FAULT_KINDS), "max_requests": 200_000}
+# An engine left stopped for long is a fault of its own making; past this, Serve's health
+# checks have long since replaced the replica, so a longer pause shows nothing new.
+MAX_PAUSE_S = 600
 
 
 # -- options (unit-tested in tests/test_chaos_tool.py) -------------------------------------------
@@ -88,19 +141,37 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
               (opts["rps"] is None or 0 < opts["rps"] <= MAX_RPS, f"--rps in (0, {MAX_RPS}]"),
               (opts["concurrency"] is None or 0 < opts["concurrency"] <= MAX_CONCURRENCY,
                f"--concurrency in 1..{MAX_CONCURRENCY}"),
-              (not opts["faults"] or opts["fault_every"] > 0, "--fault-every > 0")]
+              (not opts["faults"] or opts["fault_every"] > 0, "--fault-every > 0"),
+              (args.pause is None or 0 < args.pause <= MAX_PAUSE_S,
+               f"--pause in (0, {MAX_PAUSE_S}]"),
+              (args.burst is None or 0 < args.burst <= MAX_BURST, f"--burst in 1..{MAX_BURST}")]
     for ok, rule in checks:
         if not ok:
             raise ValueError(f"out of bounds: {rule}")
     opts.update(seed=args.seed, prometheus_down_s=args.prometheus_down, config=args.config,
-                request_timeout_s=args.request_timeout, soak=args.soak)
+                request_timeout_s=args.request_timeout, soak=args.soak, pause_s=args.pause,
+                burst=args.burst)
     return opts
+
+
+def default_pause(cfg: Any) -> float:
+    """--pause when not given: past the health-check timeout of the cluster's config, or of the
+    schema's defaults without --config (the Serve options are rendered from the same fields)."""
+    from embedfleet.deployments.config import EmbedfleetConfig
+
+    def field(name: str) -> float:
+        return EmbedfleetConfig.model_fields[name].default if cfg is None else getattr(cfg, name)
+
+    return pause_seconds(field("health_check_timeout_s"), field("health_check_period_s"))
 
 
 # -- the run ----------------------------------------------------------------------------------
 async def run(opts: dict[str, Any]) -> dict[str, Any]:
+    cfg = _load_config(opts["config"])
+    if opts.get("pause_s") is None:
+        opts["pause_s"] = default_pause(cfg)
     models = opts.get("models") or _served_models(opts["url"])
-    cluster = Cluster(opts["config"], random.Random(opts["seed"] + 1))
+    cluster = Cluster(opts["config"], random.Random(opts["seed"] + 1), cfg)
     mem_start = await asyncio.to_thread(_safe_memory, cluster)
     tally, log, wall = await drive(
         opts, cluster, lambda tally, deadline: run_load(opts, models, tally, deadline))
@@ -110,23 +181,38 @@ async def run(opts: dict[str, Any]) -> dict[str, Any]:
 
 async def drive(opts: dict[str, Any], cluster: Any, load) -> tuple[Tally, list[dict], float]:
     """Run ``load(tally, deadline)`` with the fault schedule beside it; on the way out (also on
-    an error or Ctrl-C) wait for a fault being injected and restart a stopped Prometheus."""
-    tally, log, restarts = Tally(), [], []
+    an error or Ctrl-C) wait for a fault being injected, then undo what is still undone:
+    restart a stopped Prometheus, resume a paused engine."""
     t0 = time.monotonic()
+    tally, log, restarts = Tally(t0=t0), [], []
     done = asyncio.Event()
     fault_task = asyncio.create_task(inject_faults(opts, cluster, t0, log, restarts, done))
     try:
         await load(tally, t0 + opts["duration"])
     finally:
         # Not cancel(): a fault being injected finishes, so its state is known; a pending
-        # Prometheus restart happens now rather than after its delay.
+        # Prometheus restart or engine resume happens now rather than after its delay.
         done.set()
         await asyncio.gather(fault_task, return_exceptions=True)
         await asyncio.gather(*restarts, return_exceptions=True)
         if cluster.prometheus_stopped:  # a restart failed, or never got scheduled
             log.append({"t_s": round(time.monotonic() - t0, 1), "kind": "restart-prometheus",
                         "ok": True, "target": cluster.start_prometheus()})
+        if cluster.paused:  # a resume failed: a stopped engine must not outlive the run
+            log.append({"t_s": round(time.monotonic() - t0, 1), "kind": "resume-engine",
+                        "ok": True, "target": cluster.resume_engine(list(cluster.paused))})
     return tally, log, time.monotonic() - t0
+
+
+def _load_config(path: str | None) -> Any:
+    if path is None:
+        return None
+    from embedfleet.deployments.config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as err:
+        raise SystemExit(str(err)) from None
 
 
 def _served_models(url: str) -> list[str]:
@@ -139,12 +225,12 @@ def _served_models(url: str) -> list[str]:
                          "(`embedfleet up`)?") from None
 
 
-def _safe_memory(cluster: Cluster) -> dict[str, dict[str, Any]]:
+def _safe_memory(cluster: Cluster) -> list[dict[str, Any]]:
     try:
         return cluster.memory()
     except Exception as exc:  # no Ray access: the load report still stands
         print(f"memory not measured: {type(exc).__name__}: {exc}")
-        return {}
+        return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,9 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--soak", action="store_true",
                    help="10 min of mixed load, all faults, one a minute (flags still override)")
     p.add_argument("--models", help="comma list (default: every model in /v1/models)")
-    p.add_argument("--config", help="the cluster's embedfleet config (Prometheus restart)")
+    p.add_argument("--config", help="the cluster's embedfleet config: its app, admission bounds, "
+                   "health-check timing and Prometheus")
     p.add_argument("--prometheus-down", type=float, default=20.0,
                    help="seconds Prometheus stays stopped")
+    p.add_argument("--pause", type=float, help="seconds pause-engine keeps an engine stopped "
+                   "(default: health_check_timeout_s + health_check_period_s)")
+    p.add_argument("--burst", type=int, help="requests in flood-kill's burst "
+                   f"(default: 1.5x the admission bound from --config, max {MAX_BURST})")
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report path (default benchmarks/results/chaos-<time>.json)")

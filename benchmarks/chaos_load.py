@@ -1,17 +1,18 @@
-"""The load of the chaos tool: seeded mixed requests, sent closed- or open-loop, tallied, and the
-run's report (requests by outcome, latency percentiles, faults, memory growth).
+"""The load of the chaos tool: seeded mixed requests, sent closed- or open-loop, and tallied one
+``Sample`` per request; and the burst the flood-kill fault sends to fill a model's queues.
+The report built from the samples is in chaos_report.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
+from embedfleet.benchmarks.chaos_stats import Sample
 from embedfleet.benchmarks.throughput import WORDS
 
 # Hard ceilings: a mistyped flag must not turn a test into an unbounded flood.
@@ -22,15 +23,6 @@ MAX_RPS = 1000
 
 
 # -- pure parts (unit-tested in tests/test_chaos_tool.py) ----------------------------------------
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    data = sorted(values)
-    if not data:
-        return None
-    rank = max(1, math.ceil(q / 100 * len(data)))
-    return data[min(rank, len(data)) - 1]
-
-
 def classify(status: int, body: Any, n_inputs: int) -> str:
     """'ok' only for a 200 holding one vector per input; otherwise the status (or bad_200)."""
     if status == 200:
@@ -57,25 +49,68 @@ def mixed_request(rng: random.Random, models: list[str]) -> tuple[dict[str, Any]
             "encoding_format": "base64"}, 1
 
 
+def burst_request(rng: random.Random, model: str) -> dict[str, Any]:
+    """One short text: one sequence per call, so a burst's size counts against the admission
+    bound call for call (chaos_targets.burst_size)."""
+    return {"model": model, "input": " ".join(rng.choice(WORDS) for _ in range(8))}
+
+
 @dataclass
 class Tally:
-    sent: int = 0
-    outcomes: Counter = field(default_factory=Counter)
-    ok_latencies: list[float] = field(default_factory=list)
-    all_latencies: list[float] = field(default_factory=list)
-    # outcomes per model: a single-replica model's 503s while its engine is replaced are expected;
-    # a two-replica model's are not
-    by_model: dict[str, Counter] = field(default_factory=dict)
+    """Every request of the steady load, as it completed. ``t0`` is the run's start (monotonic),
+    so samples can be placed in the fault windows."""
 
-    def record(self, outcome: str, latency_s: float, model: str = "_all") -> None:
-        self.outcomes[outcome] += 1
-        self.by_model.setdefault(model, Counter())[outcome] += 1
-        self.all_latencies.append(latency_s)
-        if outcome == "ok":
-            self.ok_latencies.append(latency_s)
+    sent: int = 0
+    samples: list[Sample] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
+
+    def record(self, outcome: str, latency_s: float, model: str = "_all", *,
+               t_s: float | None = None, retry_after: bool = False) -> None:
+        if t_s is None:  # called on completion: it was sent latency_s ago
+            t_s = time.monotonic() - self.t0 - latency_s
+        self.samples.append(Sample(round(t_s, 3), model, outcome, latency_s, retry_after))
+
+    @property
+    def outcomes(self) -> Counter:
+        return Counter(s.outcome for s in self.samples)
 
 
 # -- sending it ------------------------------------------------------------------------------
+async def send(client: Any, body: dict[str, Any], n_inputs: int, t0: float) -> Sample:
+    """POST one request; what the client saw, as a Sample (never raises for HTTP trouble)."""
+    import httpx
+
+    sent = time.monotonic()
+    retry_after = False
+    try:
+        resp = await client.post("/v1/embeddings", json=body)
+        retry_after = resp.headers.get("retry-after") is not None
+        try:
+            payload = resp.json()
+        except ValueError:
+            payload = None
+        outcome = classify(resp.status_code, payload, n_inputs)
+    except httpx.TimeoutException:
+        outcome = "timeout"
+    except httpx.TransportError:
+        outcome = "connection_error"
+    return Sample(round(sent - t0, 3), body.get("model", "_all"), outcome,
+                  time.monotonic() - sent, retry_after)
+
+
+async def send_burst(url: str, model: str, size: int, timeout_s: float, t0: float,
+                     seed: int = 0) -> list[Sample]:
+    """``size`` one-text requests to ``model`` at once, each on its own connection, so they all
+    wait in the model's queues together."""
+    import httpx
+
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=size, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+        return list(await asyncio.gather(*(send(client, burst_request(rng, model), 1, t0)
+                                           for _ in range(size))))
+
+
 async def run_load(opts: dict[str, Any], models: list[str], tally: Tally,
                    deadline: float) -> None:
     import httpx
@@ -88,19 +123,7 @@ async def run_load(opts: dict[str, Any], models: list[str], tally: Tally,
 
         async def one() -> None:  # the caller has counted it as sent
             body, n = mixed_request(rng, models)
-            t = time.perf_counter()
-            try:
-                resp = await client.post("/v1/embeddings", json=body)
-                try:
-                    payload = resp.json()
-                except ValueError:
-                    payload = None
-                outcome = classify(resp.status_code, payload, n)
-            except httpx.TimeoutException:
-                outcome = "timeout"
-            except httpx.TransportError:
-                outcome = "connection_error"
-            tally.record(outcome, time.perf_counter() - t, body.get("model", "_all"))
+            tally.samples.append(await send(client, body, n, tally.t0))
 
         def more() -> bool:
             return time.monotonic() < deadline and tally.sent < opts["max_requests"]
@@ -132,56 +155,3 @@ async def run_load(opts: dict[str, Any], models: list[str], tally: Tally,
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         await asyncio.gather(*tasks)
-
-
-# -- the report ------------------------------------------------------------------------------
-def memory_growth(start: dict[str, dict], end: dict[str, dict]) -> dict[str, float]:
-    return {role: round(end[role]["rss_mb"] - start[role]["rss_mb"], 1)
-            for role in sorted(set(start) & set(end))}
-
-
-def build_report(opts: dict[str, Any], tally: Tally, wall_s: float, faults: list[dict],
-                 mem_start: dict, mem_end: dict) -> dict[str, Any]:
-    succeeded = tally.outcomes.get("ok", 0)
-    failed = {k: v for k, v in sorted(tally.outcomes.items()) if k != "ok"}
-
-    def ms(values: list[float], q: float) -> float | None:
-        v = percentile(values, q)
-        return None if v is None else round(1000 * v, 1)
-
-    return {
-        "tool": "embedfleet.benchmarks.chaos", "options": opts, "wall_s": round(wall_s, 1),
-        "requests": {"sent": tally.sent, "succeeded": succeeded,
-                     "failed": sum(failed.values()), "failed_by_status": failed,
-                     "success_ratio": round(succeeded / tally.sent, 5) if tally.sent else None,
-                     "achieved_rps": round(tally.sent / wall_s, 1) if wall_s > 0 else None,
-                     "by_model": {m: dict(sorted(c.items())) for m, c in
-                                  sorted(tally.by_model.items())}},
-        "latency_ms": {"ok_p50": ms(tally.ok_latencies, 50), "ok_p99": ms(tally.ok_latencies, 99),
-                       "all_p50": ms(tally.all_latencies, 50),
-                       "all_p99": ms(tally.all_latencies, 99),
-                       "all_max": ms(tally.all_latencies, 100)},
-        "faults": faults,
-        "memory": {"start": mem_start, "end": mem_end,
-                   "growth_mb": memory_growth(mem_start, mem_end)},
-    }
-
-
-def summary(report: dict[str, Any]) -> str:
-    r, lat, mem = report["requests"], report["latency_ms"], report["memory"]
-    ratio = "n/a" if r["success_ratio"] is None else f"{100 * r['success_ratio']:.2f}%"
-    lines = [f"chaos run: {report['wall_s']}s, {r['sent']} requests ({r['achieved_rps']}/s)",
-             f"  succeeded {r['succeeded']}  failed {r['failed']} {r['failed_by_status'] or ''}"
-             f"  success {ratio}",
-             *(f"    {m}: {dict(c)}" for m, c in r.get("by_model", {}).items()),
-             f"  latency ok p50 {lat['ok_p50']} ms  p99 {lat['ok_p99']} ms  "
-             f"(all requests p99 {lat['all_p99']} ms, max {lat['all_max']} ms)",
-             f"  faults injected: {len(report['faults'])}"]
-    lines += [f"    t={f['t_s']:>6}s {f['kind']:<16} {'ok ' if f['ok'] else 'ERR'} "
-              f"{f.get('target') or f.get('error', '')}" for f in report["faults"]]
-    lines.append("  memory (RSS of process trees, MB): role  xprocesses  start -> end  (growth)")
-    for role, growth in mem["growth_mb"].items():
-        a, b = mem["start"][role], mem["end"][role]
-        lines.append(f"    {role:<28} x{a['processes']}->{b['processes']} {a['rss_mb']:>8} -> "
-                     f"{b['rss_mb']:>8}  ({growth:+})")
-    return "\n".join(lines)

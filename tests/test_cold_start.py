@@ -64,3 +64,25 @@ def test_errors_of_the_call_pass_through():
         raise RuntimeError("replica died")
     with pytest.raises(RuntimeError, match="replica died"):
         run(await_with_hold(boom(), 1, 1, replica_ready_after(0)))
+
+
+def test_a_queued_call_is_refused_once_its_model_becomes_unservable():
+    # Serve would keep it queued for request_timeout_s (here 30 s) waiting for a replica that
+    # will not come; the readiness view says so after ~1.2 s and the call ends within a second.
+    from embedfleet.deployments.request_path.cold_start import Refused
+
+    t0 = time.monotonic()
+
+    def refuse():
+        return "card taken" if time.monotonic() - t0 > 1.2 else None
+
+    with pytest.raises(Refused, match="card taken"):
+        run(await_with_hold(answer_after(60), 30, 0, replica_ready_after(99), refuse))
+    assert 1.2 < time.monotonic() - t0 < 4
+
+
+def test_refuse_is_not_consulted_when_the_call_answers():
+    calls = []
+    assert run(await_with_hold(answer_after(0.05), 5, 0, replica_ready_after(0),
+                               lambda: calls.append(1) or "nope")) == "ok"
+    assert calls == []

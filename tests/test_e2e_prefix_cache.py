@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from embedfleet.deployments.request_path.fingerprint import model_digest
-from tests.conftest import E2E_CONFIG, FAULT_ARM_FILE, FAULTY_QWEN3, MINILM, TINY_QWEN3, run_cli
+from tests.conftest import FAULT_ARM_FILE, FAULTY_QWEN3, MINILM, TINY_QWEN3, run_cli
 
 pytestmark = pytest.mark.cluster
 
@@ -127,19 +127,57 @@ def test_failing_canary_switches_prefix_cache_off_without_losing_requests(cluste
     assert model_info(cluster, TINY_QWEN3)["prefix_cache"]["state"] == "on"
 
 
+REGISTRY_PID = """
+import ray
+from ray.util.state import list_actors
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+print(" ".join(str(a.pid) for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+               if a.class_name == "ServeReplica:embedfleet:FleetRegistry"))
+"""
+
+
+def test_override_survives_a_registry_restart(cluster):
+    # Runs after the canary switched the faulty model off. The registry keeps the override in
+    # Ray's GCS-backed KV, so the replica Serve starts in place of a killed one still has it.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.support.live_cluster import wait_for
+
+    def registry_pid() -> str:
+        out = subprocess.run([sys.executable, "-c", REGISTRY_PID], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+
+    old = registry_pid()
+    assert old and " " not in old, old
+    os.kill(int(old), signal.SIGKILL)
+    new = wait_for(lambda: (p := registry_pid()) and p != old and p, 120, "a new registry")
+    shown = wait_for(lambda: (r := run_cli("prefix-cache", "--app", "embedfleet",
+                                           check=False)).returncode == 0 and r.stdout,
+                     120, "the restarted registry to answer")
+    assert f"{FAULTY_QWEN3}: OFF by override" in shown and "canary" in shown, (new, shown)
+    # ...and the fleet still obeys it: the faulty model's replica reports caching off.
+    pc = wait_for(lambda: model_info(cluster, FAULTY_QWEN3)["replicas"]["cards"] and
+                  model_info(cluster, FAULTY_QWEN3)["prefix_cache"], 60, "the faulty model listed")
+    assert pc["state"] == "off", pc
+
+
 def test_prefix_cache_override_is_shown_and_can_be_cleared(cluster):
     # Runs after the canary switched the faulty model off.
-    cfg = str(E2E_CONFIG)
-    shown = run_cli("prefix-cache", "--config", cfg).stdout
+    shown = run_cli("prefix-cache", "--app", "embedfleet").stdout
     assert f"{FAULTY_QWEN3}: OFF by override" in shown and "canary" in shown, shown
     assert f"{TINY_QWEN3}: no override" in shown
-    out = run_cli("prefix-cache", "--config", cfg, "--clear", FAULTY_QWEN3).stdout
+    out = run_cli("prefix-cache", "--app", "embedfleet", "--clear", FAULTY_QWEN3).stdout
     assert f"{FAULTY_QWEN3}: override cleared" in out, out
-    assert f"{FAULTY_QWEN3}: no override" in run_cli("prefix-cache", "--config", cfg).stdout
-    again = run_cli("prefix-cache", "--config", cfg, "--clear", FAULTY_QWEN3).stdout
+    assert f"{FAULTY_QWEN3}: no override" in run_cli("prefix-cache", "--app", "embedfleet").stdout
+    again = run_cli("prefix-cache", "--app", "embedfleet", "--clear", FAULTY_QWEN3).stdout
     assert "no override to clear" in again
-    bad = run_cli("prefix-cache", "--config", cfg, "--clear", "nope", check=False)
-    assert bad.returncode == 2 and "not a model of this config" in bad.stderr
+    bad = run_cli("prefix-cache", "--app", "embedfleet", "--clear", "nope", check=False)
+    assert bad.returncode == 2 and "not a model of application embedfleet" in bad.stderr
 
 
 def test_canary_failure_is_in_prometheus(cluster):

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import requests
 
-from tests.conftest import FAULTY_QWEN3, MINILM, ROOT
+from tests.conftest import AUTOSCALE, FAULTY_QWEN3, MINILM, ROOT
 
 pytestmark = pytest.mark.cluster
 
@@ -29,6 +29,38 @@ alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
 ray.kill(ray.get_actor(alive[0].name, namespace="serve"), no_restart=True)
 print(alive[0].name)
 """
+
+
+# Takes every free card with one detached actor (another tenant's job, as far as Serve can tell),
+# or releases it: a replacement replica then cannot be placed.
+CARD_HOLDER = """
+import sys, ray
+ray.init(address="auto", namespace="embedfleet-tests", logging_level="ERROR", log_to_driver=False)
+if sys.argv[1] == "take":
+    free = int(ray.available_resources().get("NPU", 0))
+    if free:
+        @ray.remote(num_cpus=0)
+        class CardHolder:
+            def ping(self):
+                return "held"
+        h = CardHolder.options(name="card-holder", lifetime="detached",
+                               resources={"NPU": free}).remote()
+        ray.get(h.ping.remote(), timeout=60)
+    print(free)
+else:
+    try:
+        ray.kill(ray.get_actor("card-holder"))
+    except ValueError:
+        pass
+"""
+
+
+def ray_script(script: str, *args: str) -> str:
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
 
 
 def ready_replicas(cluster, model) -> list[dict]:
@@ -113,3 +145,45 @@ def test_killing_the_engine_process_gives_503_or_success_never_500_or_hang(clust
         time.sleep(1)
     assert recovered, f"replica not replaced; codes seen: {codes}"
     assert 503 in codes or codes.count(200) == len(codes)
+
+
+def test_a_model_with_no_replica_and_none_starting_answers_503_at_once(cluster):
+    # The model's only replica dies while every free card is taken: Serve's replacement waits
+    # for a card. Requests must get 503 + Retry-After with the reason, far sooner than
+    # request_timeout_s (120 s), instead of waiting in Serve's queue.
+    wait_ready(cluster, AUTOSCALE, 1)
+    ray_script(CARD_HOLDER, "take")
+    try:
+        ray_script(KILL_REPLICA, AUTOSCALE)
+        first = None
+        deadline = time.monotonic() + 90
+        while first is None and time.monotonic() < deadline:
+            r = requests.post(f"{cluster}/v1/embeddings", json={
+                "model": AUTOSCALE, "input": "is anyone there"}, timeout=60)
+            assert r.status_code in (200, 503), r.text  # retried or held, never 500
+            first = r if r.status_code == 503 else None
+        assert first is not None, "never refused while the card was taken"
+        timings = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            r = requests.post(f"{cluster}/v1/embeddings", json={
+                "model": AUTOSCALE, "input": "still nobody?"}, timeout=60)
+            timings.append(time.monotonic() - t0)
+            assert r.status_code == 503, r.text
+            assert int(r.headers["Retry-After"]) >= 1
+            err = r.json()["error"]
+            assert err["type"] == "service_unavailable"
+            assert "none is starting" in err["message"] and "waiting for a card" in \
+                err["message"], err
+        print(f"503 answered in {[round(t, 3) for t in timings]} s")
+        assert max(timings) < 10, timings
+        # Other models are untouched.
+        ok = requests.post(f"{cluster}/v1/embeddings", json={"model": MINILM, "input": "hi"},
+                           timeout=60)
+        assert ok.status_code == 200, ok.text
+    finally:
+        ray_script(CARD_HOLDER, "release")
+    wait_ready(cluster, AUTOSCALE, 1)  # the card is back: the replacement is placed and serves
+    r = requests.post(f"{cluster}/v1/embeddings", json={"model": AUTOSCALE, "input": "back"},
+                      timeout=120)
+    assert r.status_code == 200, r.text

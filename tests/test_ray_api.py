@@ -209,6 +209,7 @@ IMPORT_TOUCH_POINTS = {
     "ray.util:metrics": ("util/metrics.py", "Counter.__init__"),
     "ray.util:get_node_ip_address": ("util/__init__.py", "get_node_ip_address"),
     "ray.util.state:list_actors": ("util/state/__init__.py", "list_actors"),
+    "ray.experimental:internal_kv": ("experimental/internal_kv.py", "_internal_kv_put"),
     "ray.dashboard.modules.serve.sdk:ServeSubmissionClient":
         ("dashboard/modules/serve/sdk.py", "ServeSubmissionClient.__init__"),
 }

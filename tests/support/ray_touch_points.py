@@ -52,7 +52,7 @@ AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "initial_replicas", "target_
                     "upscale_delay_s", "downscale_delay_s")
 # deployments/options.py card_actor_options and the router/registry/governor options.
 RAY_ACTOR_OPTIONS = ("num_cpus", "num_gpus", "resources")
-# cluster/local.py start_head and cluster/manifests.py (cluster launcher / on-prem commands).
+# cluster/local.py start_head and cluster/manifest_launcher.py (cluster launcher / on-prem commands).
 RAY_START_FLAGS = ("head", "address", "port", "dashboard_port", "dashboard_host", "resources",
                    "disable_usage_stats", "node_name", "dashboard_agent_listen_port",
                    "metrics_export_port", "autoscaling_config")
@@ -110,12 +110,25 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="vLLM ray_wrappers._get_replica_id (the ReplicaId label of ray_vllm_*)"),
     # -- ray.util.state (deployments/control/placement.py pending_replica_actors) ----------------------
     T("util/state/__init__.py", "list_actors", used_by="deployments/control/placement.py"),
+    # deployments/control/durable.py: overrides and governor state in the GCS-backed KV.
+    T("experimental/internal_kv.py", "_internal_kv_initialized",
+      used_by="deployments/control/durable.py DurableStore.connected"),
+    T("experimental/internal_kv.py", "_internal_kv_put", ("key", "value", "overwrite", "namespace"),
+      used_by="deployments/control/durable.py"),
+    T("experimental/internal_kv.py", "_internal_kv_get", ("key", "namespace"),
+      used_by="deployments/control/durable.py"),
+    T("experimental/internal_kv.py", "_internal_kv_del", ("key", "namespace"),
+      used_by="deployments/control/durable.py"),
+    T("experimental/internal_kv.py", "_internal_kv_list", ("prefix", "namespace"),
+      used_by="deployments/control/durable.py"),
     T("util/state/api.py", "list_actors", ("filters", "limit"),
       used_by="deployments/control/placement.py: filters=[('state', '=', 'PENDING_CREATION')]"),
-    T("util/state/common.py", "ActorState", ("class_name", "state"),
-      used_by="deployments/control/placement.py reads a.class_name"),
-    T("_private/custom_types.py", "ACTOR_STATUS", contains=("'PENDING_CREATION'",),
-      used_by="deployments/control/placement.py: the state of an actor waiting for resources"),
+    T("util/state/common.py", "ActorState", ("class_name", "state", "node_id", "pid"),
+      used_by="deployments/control/placement.py reads a.class_name (ReplicaActors: node_id, pid)"),
+    T("_private/custom_types.py", "ACTOR_STATUS",
+      contains=("'PENDING_CREATION'", "'DEPENDENCIES_UNREADY'", "'RESTARTING'", "'ALIVE'"),
+      used_by="deployments/control/placement.py: the state of an actor waiting for resources; "
+              "ReplicaActors' live states"),
     # -- Serve: the API ------------------------------------------------------------------------
     *(T("serve/__init__.py", n, used_by=u) for n, u in (
         ("deployment", "deployments/app.py, deployments/control/registry.py"),
@@ -207,9 +220,9 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       contains=("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN", "~/.ray/auth_token"),
       used_by="cluster/local.py: the env vars and token file Ray's core reads (see "
               "NOT_CHECKABLE)"),
-    # -- the `ray` CLI (cluster/local.py, cluster/manifests.py) --------------------------------
+    # -- the `ray` CLI (cluster/local.py, cluster/manifest_launcher.py) -------------------------
     T("scripts/scripts.py", "start", RAY_START_FLAGS,
-      used_by="cluster/local.py start_head; cluster/manifests.py head/worker start commands"),
+      used_by="cluster/local.py start_head; cluster/manifest_launcher.py head/worker start commands"),
     T("scripts/scripts.py", "stop", ("force",), used_by="cluster/local.py stop_head"),
     T("scripts/scripts.py", "status", ("address",), used_by="cluster/local.py ray_running"),
     # -- the logical NPU resource (deployments/options.py, platform.py, ascend_checks.py) -----

@@ -1,0 +1,99 @@
+"""The router's readiness view: send, hold or refuse at once, decided without a remote call."""
+
+from __future__ import annotations
+
+import asyncio
+
+from embedfleet.deployments.contracts import ModelReadiness
+from embedfleet.deployments.request_path.readiness import ReadinessView
+
+WAIT = "1 replica(s) waiting for a card: each needs {\"CPU_CARD\": 1}; 0 of the cluster's 6 cards are free"
+
+
+def r(ready: int, starting: int, waiting: str = "") -> ModelReadiness:
+    return ModelReadiness(ready=ready, starting=starting, waiting=waiting, checked_at=0.0)
+
+
+def view(now: list[float]) -> ReadinessView:
+    async def never():  # refresh_forever is not used by these tests
+        raise AssertionError
+    return ReadinessView(never, grace_s=2.0, max_age_s=3.0, clock=lambda: now[0])
+
+
+def test_no_replica_and_none_starting_is_refused_only_after_the_grace():
+    now = [100.0]
+    v = view(now)
+    v.update({"m": r(0, 0, WAIT)})
+    assert v.unservable("m") is None  # a replica may have just died: Serve is replacing it
+    now[0] += 1.0
+    v.update({"m": r(0, 0, WAIT)})
+    assert v.unservable("m") is None
+    now[0] += 1.5  # 2.5 s with nothing ready or starting
+    v.update({"m": r(0, 0, WAIT)})
+    assert v.unservable("m") == WAIT
+
+
+def test_a_starting_replica_means_hold_and_resets_the_grace():
+    now = [0.0]
+    v = view(now)
+    v.update({"m": r(0, 0)})
+    now[0] = 2.5
+    v.update({"m": r(0, 1)})  # a replacement was created
+    assert v.unservable("m") is None and v.starting_only("m")
+    assert not asyncio.run(v.has_ready("m"))
+    now[0] = 3.0
+    v.update({"m": r(0, 0)})  # gone again: the grace starts over
+    assert v.unservable("m") is None
+    now[0] = 5.1
+    v.update({"m": r(0, 0)})
+    assert v.unservable("m") == "no replica is running or starting"
+
+
+def test_ready_replicas_serve_and_are_not_held():
+    now = [0.0]
+    v = view(now)
+    v.update({"m": r(2, 1)})
+    assert asyncio.run(v.has_ready("m")) and not v.starting_only("m")
+    assert v.unservable("m") is None
+
+
+def test_a_stale_view_decides_nothing():
+    # The registry unreachable: the view neither refuses nor holds (Serve's queue decides).
+    now = [0.0]
+    v = view(now)
+    v.update({"m": r(0, 0, WAIT)})
+    now[0] = 2.5
+    v.update({"m": r(0, 0, WAIT)})
+    assert v.unservable("m") == WAIT
+    now[0] = 6.0  # no refresh for 3.5 s > max_age_s
+    assert v.unservable("m") is None and v.get("m") is None
+    assert not v.starting_only("m") and v.waiting("m") == ""
+    assert v.unservable("unknown-model") is None
+
+
+def test_refresh_forever_keeps_the_last_view_through_a_failed_fetch():
+    answers = [{"m": r(1, 0)}, RuntimeError("registry restarting"), {"m": r(0, 1)}]
+    seen_before_fetch = []
+
+    async def scenario():
+        finished = asyncio.Event()
+        v = ReadinessView(lambda: fetch(v, finished), every_s=0.001)
+        task = asyncio.create_task(v.refresh_forever())
+        await asyncio.wait_for(finished.wait(), timeout=10)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        return v
+
+    async def fetch(v, finished):
+        seen_before_fetch.append(v.get("m"))
+        a = answers.pop(0)
+        if not answers:
+            finished.set()
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    v = asyncio.run(scenario())
+    assert seen_before_fetch[0] is None
+    assert seen_before_fetch[2].ready == 1  # the failed fetch in between kept the view
+    assert v.starting_only("m")  # the third answer is the view now

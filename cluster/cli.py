@@ -1,4 +1,4 @@
-"""The `embedfleet` command: up, down, deploy, render, status."""
+"""The `embedfleet` command: up, down, deploy, render, status, prefix-cache, verify, doctor, bench."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ import sys
 import time
 from typing import Any
 
-from embedfleet.cluster import doctor, local
+from embedfleet.cluster import doctor, local, status
 
 from embedfleet.cluster.verify import command as verify
 from embedfleet.cluster.monitoring_stack import start_monitoring, stop_monitoring
 from embedfleet.cluster.render import load_serve_yaml, render_yaml, serve_config
 from embedfleet.deployments.config import ConfigError, EmbedfleetConfig, load_config
-from embedfleet.deployments.options import REGISTRY_NAME, engine_deployment_name
-from embedfleet.deployments.control.placement import card_counts, pending_replica_actors, waiting_message
 from embedfleet.deployments.settings import settings
 
 
@@ -55,15 +53,33 @@ def _wait_settled(cfg: EmbedfleetConfig, timeout_s: float) -> None:
     """After /ready: wait out a rolling update, so `up` returns on the new config's replicas."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        st = collect_status(cfg, None)
-        if st["settled"]:
+        apps = status.collect(app=cfg.app_name)
+        if apps and apps[0].settled:
             return
         time.sleep(3)
     print("warning: replicas still starting or stopping; see `embedfleet status`")
 
 
+def unplaceable(cfg: EmbedfleetConfig) -> str | None:
+    """Why a local head (which cannot grow) can never make every model ready, or None.
+
+    Each engine replica takes one card, so the models' ``min_replicas`` must fit in ``cards``;
+    otherwise `up` would wait its whole ``ready_timeout_s`` for a card that never comes."""
+    need = sum(m.replicas.min_replicas for m in cfg.models)
+    if need <= cfg.cards:
+        return None
+    each = ", ".join(f"{m.name}: {m.replicas.min_replicas}" for m in cfg.models
+                     if m.replicas.min_replicas)
+    return (f"the models' min_replicas add up to {need} cards ({each}), but the local cluster "
+            f"has cards={cfg.cards} {cfg.platform.card_resource} card(s) and cannot grow: lower "
+            f"min_replicas or raise cards (--cards)")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     serve_cfg, cfg = _load(args)
+    if (why := unplaceable(cfg)) is not None:
+        print(f"embedfleet up: refused: {why}", file=sys.stderr)
+        return 2
     local.start_head(cfg.cards, cfg.platform.card_resource, cfg.nodes)
     prom = start_monitoring(cfg)
     if prom:
@@ -131,133 +147,10 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def collect_status(cfg: EmbedfleetConfig, address: str | None) -> dict[str, Any]:
-    """Models, their replicas per card, and Serve's word on replicas that are not running."""
-    import ray
-    from ray import serve
-
-    ray.init(address=address or "auto", namespace="serve", logging_level="ERROR",
-             log_to_driver=False)
-    try:
-        status = serve.status()
-        app = status.applications.get(cfg.app_name)
-        snapshot: dict[str, list[dict[str, Any]]] = {}
-        if app is not None:
-            try:
-                handle = serve.get_deployment_handle(REGISTRY_NAME, cfg.app_name)
-                snapshot = handle.snapshot.remote().result(timeout_s=10)
-            except Exception as exc:  # registry not up yet
-                snapshot = {"_error": [{"error": repr(exc)}]}
-        resource = cfg.platform.card_resource
-        pending_actors = pending_replica_actors(cfg.app_name)
-        free_cards, total_cards = card_counts(resource)
-        models = []
-        for m in cfg.models:
-            dep = app.deployments.get(engine_deployment_name(m.name)) if app else None
-            states = _states(dep) if dep else {}
-            replicas = snapshot.get(m.name, [])
-            target = dep.target_num_replicas if dep and hasattr(dep, "target_num_replicas") \
-                else None
-            # Serve calls both "waiting for a card" and "loading the engine" STARTING; Ray's
-            # actor state tells them apart (PENDING_CREATION = no resources yet).
-            waiting = pending_actors.get(engine_deployment_name(m.name), 0)
-            pending_msg = waiting_message(waiting, resource, free_cards, total_cards)
-            models.append({
-                "model": m.name,
-                "deployment_status": str(dep.status.value if dep else "NOT_DEPLOYED"),
-                "message": dep.message if dep else "",
-                "pending": pending_msg,
-                "scaled_to_zero": m.replicas.min_replicas == 0 and not sum(states.values()),
-                "target_replicas": target,
-                "replica_states": states,
-                "ready": sum(1 for r in replicas if r.get("ready")),
-                "cards": [{"node": r["node"], "device": r["device"], "replica_id":
-                           r["replica_id"], "ready": r.get("ready"), "budget": r.get("budget"),
-                           "pid": r.get("pid")} for r in replicas],
-                "prefix_cache": replicas[0].get("prefix_cache") if replicas else None,
-            })
-        # Settled: every replica of every deployment is running or waiting for a card; none is
-        # loading its engine or stopping (a rolling update in progress).
-        settled = app is not None and all(
-            sum(v for k, v in _states(d).items() if k != "RUNNING") == pending_actors.get(n, 0)
-            for n, d in app.deployments.items())
-        return {"app": cfg.app_name, "settled": settled,
-                "app_status": str(app.status.value) if app else "NOT_DEPLOYED",
-                "app_message": app.message if app else "",
-                "models": models}
-    finally:
-        ray.shutdown()
-
-
-def _states(dep: Any) -> dict[str, int]:
-    return {str(k.value if hasattr(k, "value") else k): v
-            for k, v in (dep.replica_states or {}).items()}
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    st = collect_status(cfg, args.address)
-    if args.json:
-        print(json.dumps(st, indent=2))
-        return 0
-    print(f"application {st['app']}: {st['app_status']}")
-    for m in st["models"]:
-        states = ", ".join(f"{k}={v}" for k, v in sorted(m["replica_states"].items()))
-        print(f"  model {m['model']}: {m['deployment_status']}, {m['ready']} ready "
-              f"[{states or 'no replicas'}]")
-        for c in m["cards"]:
-            b = c.get("budget") or {}
-            print(f"    card {c['node']}/{c['device']}: replica {c['replica_id']} "
-                  f"{'ready' if c['ready'] else 'NOT ready'}; budget "
-                  f"{b.get('max_sequences')} seqs / {b.get('max_tokens')} tokens"
-                  f"{' (STALE)' if b.get('stale') else ''} — {b.get('reason')}")
-        if m["pending"]:
-            print(f"    pending: {m['pending']}")
-        if m["scaled_to_zero"]:
-            print("    scaled to zero: the next request starts a replica (and is held until "
-                  "it is ready)")
-        if m["message"]:
-            print(f"    serve says: {m['message']}")
-        if m["prefix_cache"]:
-            pc = m["prefix_cache"]
-            print(f"    prefix cache: {'on' if pc.get('enabled') else 'off'} ({pc.get('reason')})")
-    return 0
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from embedfleet.benchmarks.bench import main as bench_main  # vLLM and matplotlib only when benchmarking
 
     return bench_main(args.bench_args)
-
-
-def cmd_prefix_cache(args: argparse.Namespace) -> int:
-    """Show the fleet's prefix-cache overrides (set when a canary failed), or clear one."""
-    import ray
-    from ray import serve
-
-    cfg = _config(args)
-    if args.clear and args.clear not in {m.name for m in cfg.models}:
-        raise ConfigError(f"--clear {args.clear!r}: not a model of this config "
-                          f"({', '.join(m.name for m in cfg.models)})")
-    ray.init(address=args.address or "auto", namespace="serve", logging_level="ERROR",
-             log_to_driver=False)
-    try:
-        registry = serve.get_deployment_handle(REGISTRY_NAME, cfg.app_name)
-        if args.clear:
-            cleared = registry.clear_prefix_cache_override.remote(args.clear).result(timeout_s=30)
-            print(f"{args.clear}: override cleared" if cleared else
-                  f"{args.clear}: no override to clear")
-            if cleared:
-                print("  new replicas follow the model's prefix_cache setting again; running "
-                      "replicas keep caching off until they restart")
-            return 0
-        for m in cfg.models:
-            o = registry.prefix_cache_override.remote(m.name).result(timeout_s=30)
-            print(f"{m.name}: " + (f"OFF by override since {time.ctime(o['at'])} — {o['reason']}"
-                                   if o else "no override"))
-        return 0
-    finally:
-        ray.shutdown()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,15 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fill a missing image / addresses with documentation placeholders "
                      "(how cluster/examples/ is rendered); not to apply as is")
     ren.set_defaults(func=cmd_render)
-    st = with_config(sub.add_parser("status", help="models, replicas per card, readiness"))
-    st.add_argument("--address", help="Ray address (default: the local cluster)")
-    st.add_argument("--json", action="store_true")
-    st.set_defaults(func=cmd_status)
-    pc = with_config(sub.add_parser(
-        "prefix-cache", help="show the prefix-cache overrides a failed canary set, or clear one"))
-    pc.add_argument("--clear", metavar="MODEL", help="forget MODEL's override (after a fix)")
-    pc.add_argument("--address", help="Ray address (default: the local cluster)")
-    pc.set_defaults(func=cmd_prefix_cache)
+    status.add_parsers(sub)
     verify.add_parser(sub)
     doctor.add_parser(sub)
     # prefix_chars="+": `bench` has no options of its own, so every --flag (and --help) reaches
@@ -327,8 +212,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def quiet_ray_logs() -> None:
+    """Keep the terminal to what embedfleet says: Serve's INFO lines from this driver process
+    (long-poll clients, handles) and Ray's NPU-probe traceback on nodes without CANN
+    (local.without_npu_probe_noise says why that one is noise) are not for the operator."""
+    import logging
+
+    # A filter, not a level: Serve resets its logger's level when a driver first connects.
+    logging.getLogger("ray.serve").addFilter(lambda record: record.levelno >= logging.WARNING)
+    logging.getLogger("ray._private.accelerators.npu").addFilter(
+        lambda record: local._NPU_PROBE_START not in record.getMessage())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_ray_logs()
     if args.command in ("up", "down", "deploy", "status", "prefix-cache"):
         local.ensure_token_auth()
     try:

@@ -46,7 +46,7 @@ say() { echo "install_ascend: $*"; }
 die() { echo "install_ascend: ERROR: $*" >&2; exit 1; }
 
 # -- the release facts, read (not imported: nothing is installed yet) ----------------------------
-facts="$("$PY" - "$ROOT/deployments/ascend_release.py" <<'EOF'
+facts="$("$PY" - "$ROOT/deployments/engine/ascend_release.py" <<'EOF'
 import re, runpy, shlex, sys
 r = runpy.run_path(sys.argv[1])
 keys = ("VLLM_ASCEND_VERSION", "VLLM_VERSION", "VLLM_TARGET_DEVICE", "TORCH", "TORCH_NPU",

@@ -68,16 +68,48 @@ def start_head(cards: int, resource: str = "NPU", nodes: int = 1) -> str:
     cmd = [RAY, "start", "--head", f"--port={s.ray_port}",
            f"--dashboard-port={s.dashboard_port}", "--dashboard-host=127.0.0.1",
            f"--resources={json.dumps({resource: per_node})}", "--disable-usage-stats", *named]
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    _ray_start(cmd, env)
     for i in range(1, nodes):
         # Port 0 = any free port: the head's dashboard agent already holds the default one.
-        subprocess.run([RAY, "start", f"--address={address}", f"--node-name={local_node_name(i)}",
-                        f"--resources={json.dumps({resource: per_node})}",
-                        "--dashboard-agent-listen-port=0", "--disable-usage-stats"],
-                       check=True, env=env, stdout=subprocess.DEVNULL)
+        _ray_start([RAY, "start", f"--address={address}", f"--node-name={local_node_name(i)}",
+                    f"--resources={json.dumps({resource: per_node})}",
+                    "--dashboard-agent-listen-port=0", "--disable-usage-stats"], env)
     shape = f"{nodes} nodes x {per_node}" if nodes > 1 else str(cards)
     print(f"started a Ray cluster at {address} with {shape} logical {resource} card(s)")
     return address
+
+
+def _ray_start(cmd: list[str], env: dict[str, str]) -> None:
+    """`ray start`, its stderr shown without Ray's NPU-detection traceback (see below); all of
+    it when the command fails."""
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    if rest := without_npu_probe_noise(proc.stderr).strip():
+        print(rest, file=sys.stderr)
+
+
+# Ray logs a full traceback ("Failed to detect NPU type.") whenever a node with an `NPU`
+# resource has no CANN runtime: every local CPU cluster, where the NPU cards are logical.
+# On a real Ascend node `acl` imports and the message never appears, so nothing is hidden there.
+_NPU_PROBE_START = "Failed to detect NPU type"
+_NPU_PROBE_END = "No module named 'acl'"
+
+
+def without_npu_probe_noise(text: str) -> str:
+    """``text`` without each block from a "Failed to detect NPU type" line through the
+    "No module named 'acl'" line that ends its traceback."""
+    out, skipping = [], False
+    for line in text.splitlines(keepends=True):
+        if not skipping and _NPU_PROBE_START in line:
+            skipping = True
+        if not skipping:
+            out.append(line)
+        elif _NPU_PROBE_END in line:
+            skipping = False
+    return "".join(out) if not skipping else text  # an unterminated block: show everything
 
 
 def node_ip() -> str:
@@ -141,18 +173,26 @@ def http_json(url: str, timeout: float = 5) -> tuple[int, Any]:
         return 0, None
 
 
+REPEAT_S = 10.0
+
+
 def wait_ready(endpoint: str, timeout_s: float, progress=print) -> dict[str, Any]:
-    """Poll ``/ready`` until every model has a ready replica; returns the last body."""
-    deadline = time.monotonic() + timeout_s
-    last = None
+    """Poll ``/ready`` until every model has a ready replica; returns the last body.
+
+    Says what it waits for when that changes, and at least every ``REPEAT_S`` with the time
+    waited and the bound, so a cluster waiting for a card never looks hung."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    last, said_at = None, 0.0
     while time.monotonic() < deadline:
         code, body = http_json(f"{endpoint}/ready")
         if code == 200:
             return body
         msg = json.dumps(body.get("models")) if isinstance(body, dict) else "router not up"
-        if msg != last:
-            progress(f"waiting for replicas: {msg}")
-            last = msg
+        now = time.monotonic()
+        if msg != last or now - said_at >= REPEAT_S:
+            progress(f"waiting for replicas ({now - t0:.0f}s of {timeout_s:.0f}s): {msg}")
+            last, said_at = msg, now
         time.sleep(2)
     raise TimeoutError(f"not ready after {timeout_s:.0f}s: {last}")
 

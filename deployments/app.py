@@ -21,8 +21,9 @@ from embedfleet.deployments.options import (
     router_deployment_options,
 )
 from embedfleet.deployments.control.registry import FleetRegistry
-from embedfleet.deployments.replica import DEFAULT_ENGINE_FACTORY, EngineReplica
-from embedfleet.deployments.api.router import Router
+from embedfleet.deployments.engine.lifecycle import DEFAULT_ENGINE_FACTORY
+from embedfleet.deployments.replica import EngineReplica
+from embedfleet.deployments.api.router import router_deployment
 
 
 def build(cfg: EmbedfleetConfig,
@@ -33,7 +34,7 @@ def build(cfg: EmbedfleetConfig,
     factories = engine_factories or {}
     data = config_to_data(cfg)
     registry = serve.deployment(FleetRegistry).options(
-        **registry_deployment_options(cfg)).bind()
+        **registry_deployment_options(cfg)).bind(data)
     governor = serve.deployment(MemoryGovernor).options(
         **governor_deployment_options(cfg)).bind(data)
     engines = {
@@ -42,7 +43,7 @@ def build(cfg: EmbedfleetConfig,
                 data, m.name, registry, factories.get(m.name, DEFAULT_ENGINE_FACTORY), governor)
         for m in cfg.models
     }
-    return serve.deployment(Router).options(**router_deployment_options(cfg)).bind(
+    return serve.deployment(router_deployment()).options(**router_deployment_options(cfg)).bind(
         data, engines, registry, governor)
 
 

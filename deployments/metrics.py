@@ -65,6 +65,9 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("embedfleet_overload_rejections_total", "counter",
                "Requests refused with 429 because a model's queue or budget was full.",
                ("model", "reason")),
+    MetricSpec("embedfleet_unavailable_rejections_total", "counter",
+               "Requests refused with 503 at once: the model has no ready replica and none is "
+               "starting.", ("model", "reason")),
     # Engine replica: one per card.
     MetricSpec("embedfleet_engine_batch_size", "histogram",
                "Inputs per call into the engine replica.", ("model",), BATCH_SIZE_BUCKETS),
@@ -155,3 +158,42 @@ def get(name: str):
         return ray_metrics.Gauge(spec.name, spec.description, tag_keys=spec.tags)
     return ray_metrics.Histogram(spec.name, spec.description, boundaries=list(spec.buckets or ()),
                                  tag_keys=spec.tags)
+
+
+class Batched:
+    """Request-path metrics, recorded locally and flushed to Ray once per ``flush()``.
+
+    A Ray metric call costs tens of microseconds of the request's own CPU; a request used to make
+    ten of them. Counters are summed per (name, tags) and histogram observations kept in a list,
+    then sent by a background task every couple of seconds (``flush_forever``), off the path.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._observed: list[tuple[str, float, tuple[tuple[str, str], ...]]] = []
+
+    def inc(self, name: str, value: float, tags: dict[str, str]) -> None:
+        key = (name, tuple(sorted(tags.items())))
+        self._counts[key] = self._counts.get(key, 0.0) + value
+
+    def observe(self, name: str, value: float, tags: dict[str, str]) -> None:
+        self._observed.append((name, value, tuple(sorted(tags.items()))))
+
+    def flush(self) -> None:
+        counts, self._counts = self._counts, {}
+        observed, self._observed = self._observed, []
+        for (name, tags), value in counts.items():
+            if value:
+                get(name).inc(value, tags=dict(tags))
+        for name, value, tags in observed:
+            get(name).observe(value, tags=dict(tags))
+
+    async def flush_forever(self, every_s: float = 2.0) -> None:
+        import asyncio
+
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                self.flush()
+            except Exception:  # a metrics failure must never reach the request path
+                pass

@@ -34,13 +34,29 @@ def card_actor_options(cfg: EmbedfleetConfig) -> dict[str, Any]:
     return {"num_cpus": num_cpus, "resources": {cfg.platform.card_resource: 1}}
 
 
+def serve_queue_limits(m: ModelConfig) -> dict[str, int]:
+    """Serve's two limits, derived from the replica's own queue — the one rule:
+
+    * ``max_ongoing_requests`` = the budget's sequences + ``admission.max_waiting``: every call a
+      replica's owner queue can hold (each call is at least one sequence), so Serve hands a
+      replica all it can take and the owner queue alone decides what runs and what waits;
+    * ``max_queued_requests`` = the same number: calls Serve's handle may hold while it assigns
+      them to a replica (a burst of concurrent single-text queries sits there for a moment even
+      when every replica has room — with ``admission.max_waiting`` here, 16 queries in flight got
+      429 from an idle cluster) or while every replica is full. Beyond it, 429 + Retry-After;
+      the owner queue's ``max_waiting`` still bounds what waits inside each replica.
+    """
+    ceiling = m.budget_ceiling
+    per_replica = ceiling.max_sequences + m.admission.max_waiting
+    return {"max_ongoing_requests": per_replica, "max_queued_requests": per_replica}
+
+
 def engine_deployment_options(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str, Any]:
     r = m.replicas
     opts: dict[str, Any] = {
         "name": engine_deployment_name(m.name),
         "ray_actor_options": card_actor_options(cfg),
-        "max_ongoing_requests": r.max_ongoing_requests,
-        "max_queued_requests": r.max_queued_requests,
+        **serve_queue_limits(m),
         "health_check_period_s": cfg.health_check_period_s,
         "health_check_timeout_s": cfg.health_check_timeout_s,
         "graceful_shutdown_timeout_s": 30,

@@ -97,6 +97,7 @@ def _start_cluster() -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, text=True)
 
 
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: start no cluster nobody uses
 def pytest_collection_modifyitems(session, config, items):
     cluster = [i for i in items if i.get_closest_marker("cluster")]
     last = [i for i in items if any(i.nodeid.split("/")[-1].startswith(n) for n in LAST)]
@@ -123,8 +124,12 @@ def cluster(tiny_qwen3_dir):
 @pytest.fixture(scope="session")
 def cluster_status(cluster):
     def get() -> dict:
-        out = run_cli("status", "--json", "--config", str(E2E_CONFIG), timeout=120).stdout
-        return json.loads(out[out.index("{"):])
+        out = run_cli("status", "--json", "--app", "embedfleet", timeout=120).stdout
+        (app,) = json.loads(out[out.index("["):])
+        # one dict per model: the fleet's view merged with Serve's word on its deployment
+        app["models"] = [{**m, **app["serve"].get(m["model"], {})}
+                         for m in (app["fleet"] or {"models": []})["models"]]
+        return app
     return get
 
 

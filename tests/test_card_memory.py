@@ -14,7 +14,7 @@ import pytest
 
 from embedfleet.deployments.engine.card_memory import (CardMemoryReading, CpuCardModel, idle_floor, live_pressure,
                                      reading_from_probe)
-from embedfleet.deployments.engine.vllm_api import KvUsageTracker
+from embedfleet.deployments.engine.kv_usage import KvUsageTracker
 
 GiB = 1 << 30
 MB = 1 << 20

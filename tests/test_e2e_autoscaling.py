@@ -48,7 +48,7 @@ def embed(cluster, model: str, text: str, timeout: float = 60) -> requests.Respo
 def test_autoscale_to_two_hold_a_request_without_a_card_then_scale_back(cluster, cluster_status):
     # Start from the steady state (an earlier session may have left minilm-zero running).
     wait_for(lambda: (s := model_status(cluster_status, AUTOSCALE))["ready"] == 1
-             and model_status(cluster_status, ZERO)["scaled_to_zero"] and s,
+             and model_status(cluster_status, ZERO)["state"] == "scaled to zero" and s,
              240, "minilm-autoscale at 1 replica and minilm-zero at zero")
     assert ready_body(cluster)["detail"][ZERO]["state"] == "scaled to zero"
 
@@ -83,7 +83,7 @@ def test_autoscale_to_two_hold_a_request_without_a_card_then_scale_back(cluster,
         assert "0 of the cluster's 6 cards are free" in body["waiting"][ZERO], body["waiting"]
         assert body["status"] == "ready"  # the other models serve on
         st = model_status(cluster_status, ZERO)
-        assert "waiting for a card" in st["pending"] and '"NPU": 1' in st["pending"], st
+        assert "waiting for a card" in st["waiting"] and '"NPU": 1' in st["waiting"], st
         assert not held.done(), "the request was answered without a replica"
     finally:
         # 3. Stop the load: minilm-autoscale returns its second card.
@@ -102,7 +102,7 @@ def test_autoscale_to_two_hold_a_request_without_a_card_then_scale_back(cluster,
     print(f"held request answered after {waited:.0f}s")
 
     # 4. Idle: back to zero, and a model at zero does not make the cluster unready.
-    wait_for(lambda: model_status(cluster_status, ZERO)["scaled_to_zero"], 240,
+    wait_for(lambda: model_status(cluster_status, ZERO)["state"] == "scaled to zero", 240,
              "minilm-zero to scale back to zero")
     ready = requests.get(f"{cluster}/ready", timeout=30)
     assert ready.status_code == 200

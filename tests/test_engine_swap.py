@@ -157,7 +157,7 @@ def test_failed_swap_is_retried_and_shown(engine_kwargs):
         assert ctl.state == "off" and ctl.swap_attempts == 2 and not ctl.gave_up
         assert any(s.startswith("swap-failed:ValueError: Free memory on device") for s in seen)
         assert waits == [5.0]  # backoff before the retry
-        assert ctl.view()["swap"]["attempts"] == 2
+        assert ctl.view().swap.attempts == 2
     finally:
         gate.engine.shutdown()
 
@@ -187,10 +187,10 @@ def test_a_cache_that_never_hits_is_inconclusive_never_passed(engine_kwargs):
 
     engine, ctl = asyncio.run(scenario())
     try:
-        canary = ctl.view()["last_canary"]
-        assert canary["verdict"] == "inconclusive" and canary["passed"] is False
-        assert canary["conclusive"] is False and canary["cached_tokens"] == 0
-        assert "nothing proven" in canary["detail"]
+        canary = ctl.view().last_canary
+        assert canary.verdict == "inconclusive" and canary.passed is False
+        assert canary.conclusive is False and canary.cached_tokens == 0
+        assert "nothing proven" in canary.detail
         assert runs.count("canary") == 4  # the first run and three immediate reruns
         assert ctl.state == "on" and ctl.swap_attempts == 0  # not a failure: no swap
     finally:

@@ -26,7 +26,8 @@ from embedfleet.deployments.control.governor_law import GovernorParams
 from embedfleet.cluster.prometheus_server import free_port, start_prometheus
 from embedfleet.deployments import metrics
 from embedfleet.deployments.engine.card_memory import live_pressure
-from embedfleet.deployments.control.governor import GovernorConfig, MemoryGovernor, RayMetricsSink
+from embedfleet.deployments.control.governor import MemoryGovernor, RayMetricsSink
+from embedfleet.deployments.control.governor_config import GovernorConfig
 from embedfleet.monitoring.prometheus import config as prom_config
 from embedfleet.monitoring.prometheus import generate as prom_generate
 from embedfleet.monitoring.prometheus import rules
@@ -137,7 +138,7 @@ def test_pressure_on_card_1_cuts_only_card_1_recovers_step_by_step_and_holds_whe
     async def scenario():
         for device in ("0", "1"):
             got = await gov.limits_for(NODE, device, CEILING)
-            assert (got["max_sequences"], got["max_tokens"]) == ceiling
+            assert (got.max_sequences, got.max_tokens) == ceiling
         await tick_until(gov, lambda s: all(st.ratio is not None and not st.stale
                                             for st in s.values()), 40, "both cards read")
 
@@ -166,8 +167,8 @@ def test_pressure_on_card_1_cuts_only_card_1_recovers_step_by_step_and_holds_whe
         assert f"memory {st1.ratio:g} ≥ high 0.9" in st1.reason
         assert limits(states, "0") == ceiling and not states[(NODE, "0")].stale
         got = await gov.limits_for(NODE, "1", CEILING)
-        assert (got["max_sequences"], got["max_tokens"], got["stale"]) == (32, 4096, False)
-        assert got["ratio"] == pytest.approx(FULL_LIVE)
+        assert (got.max_sequences, got.max_tokens, got.stale) == (32, 4096, False)
+        assert got.ratio == pytest.approx(FULL_LIVE)
         assert sink.get("embedfleet_governor_limit_tokens", **card1) == 4096
         assert sink.get("embedfleet_governor_limit_sequences", **card1) == 32
         assert sink.get("embedfleet_governor_memory_ratio", **card1) == pytest.approx(FULL_LIVE)
@@ -200,19 +201,19 @@ def test_pressure_on_card_1_cuts_only_card_1_recovers_step_by_step_and_holds_whe
             st = states[(NODE, device)]
             assert st.stale and st.action == "stale" and "Prometheus" in st.reason, st.reason
         assert limits(states, "0") == ceiling
-        assert limits(states, "1") == (held_1["max_sequences"], held_1["max_tokens"])
+        assert limits(states, "1") == (held_1.max_sequences, held_1.max_tokens)
         got = await gov.limits_for(NODE, "1", CEILING)
-        assert got["stale"] and "Prometheus unavailable" in got["reason"]
-        assert got["max_tokens"] == held_1["max_tokens"] < CEILING["max_tokens"]
+        assert got.stale and "Prometheus unavailable" in got.reason
+        assert got.max_tokens == held_1.max_tokens < CEILING["max_tokens"]
         assert sink.get("embedfleet_governor_stale") == 1
-        assert sink.get("embedfleet_governor_limit_tokens", **card1) == held_1["max_tokens"]
+        assert sink.get("embedfleet_governor_limit_tokens", **card1) == held_1.max_tokens
         snap = await gov.snapshot()
         assert snap["stale"] and not snap["prometheus_ok"]
         assert "Prometheus" in snap["prometheus_error"]
         assert [(c["device"], c["stale"]) for c in snap["cards"]] == [("0", True), ("1", True)]
         # Still blind on the next step: the same limits, no flapping.
         states = await gov.tick()
-        assert limits(states, "1") == (held_1["max_sequences"], held_1["max_tokens"])
+        assert limits(states, "1") == (held_1.max_sequences, held_1.max_tokens)
 
     try:
         asyncio.run(scenario())
@@ -276,19 +277,19 @@ def test_embedfleet_preset_matches_replica_node_ips_and_the_loop_runs_in_backgro
         while True:
             hot = await gov.limits_for("10.0.0.2", "3", CEILING)
             cool = await gov.limits_for("10.0.0.2", "4", CEILING)
-            assert cool["max_tokens"] == CEILING["max_tokens"], cool  # raw 0.95: never cut
-            if hot["max_tokens"] < CEILING["max_tokens"]:
+            assert cool.max_tokens == CEILING["max_tokens"], cool  # raw 0.95: never cut
+            if hot.max_tokens < CEILING["max_tokens"]:
                 break
             assert time.monotonic() < deadline, f"no cut via the embedfleet preset: {hot}"
             await asyncio.sleep(0.2)
-        assert hot["ratio"] == pytest.approx(FULL_LIVE) and "≥ high 0.9" in hot["reason"]
-        assert f"memory {hot['ratio']:g}" in hot["reason"]
+        assert hot.ratio == pytest.approx(FULL_LIVE) and "≥ high 0.9" in hot.reason
+        assert f"memory {hot.ratio:g}" in hot.reason
         for _ in range(3):  # the loop keeps reading the idle card live, and keeps it whole
             await asyncio.sleep(0.5)
             cool = await gov.limits_for("10.0.0.2", "4", CEILING)
-            assert cool["max_tokens"] == CEILING["max_tokens"], cool
-            assert cool["max_sequences"] == CEILING["max_sequences"], cool
-        assert cool["ratio"] == pytest.approx(IDLE_LIVE) and not cool["stale"], cool
+            assert cool.max_tokens == CEILING["max_tokens"], cool
+            assert cool.max_sequences == CEILING["max_sequences"], cool
+        assert cool.ratio == pytest.approx(IDLE_LIVE) and not cool.stale, cool
         snap = await gov.snapshot()
         assert snap["ticks"] >= 1 and snap["tick_errors"] == 0
         await gov.check_health()
@@ -348,7 +349,7 @@ def test_ceiling_changes_apply_at_once_and_idle_cards_are_forgotten():
     async def scenario():
         await gov.limits_for(NODE, "0", CEILING)
         got = await gov.limits_for(NODE, "0", {"max_sequences": 8, "max_tokens": 1000})
-        assert (got["max_sequences"], got["max_tokens"]) == (8, 1000)
+        assert (got.max_sequences, got.max_tokens) == (8, 1000)
         with pytest.raises(ValueError):  # pydantic's ValidationError is a ValueError
             await gov.limits_for(NODE, "0", {"max_sequences": 0, "max_tokens": 1})
         now[0] += 11

@@ -22,24 +22,26 @@ ROOT = Path(__file__).resolve().parent.parent
 from ray.serve.schema import ServeDeploySchema
 
 from embedfleet.cluster.cli import main
-from embedfleet.cluster.manifests import (
-    ASCEND_910B_CONFIG,
-    CANN_VERSION,
+from embedfleet.cluster.manifest_kuberay import rayservice_manifest
+from embedfleet.cluster.manifest_launcher import cluster_launcher_config
+from embedfleet.cluster.manifest_spec import (
     EXAMPLE_IMAGE,
-    EXAMPLES_DIR,
-    LOCAL_CPU_CONFIG,
     RAY_VERSION,
     AscendClusterSpec,
-    cluster_launcher_config,
     cluster_spec,
+    worker_bounds,
+)
+from embedfleet.cluster.manifests import (
+    ASCEND_910B_CONFIG,
+    EXAMPLES_DIR,
+    LOCAL_CPU_CONFIG,
     example_files,
-    rayservice_manifest,
     render_cluster_launcher,
     render_rayservice,
-    worker_bounds,
 )
 from embedfleet.cluster.render import config_from_serve_yaml, render_yaml, serve_config
 from embedfleet.deployments.config import CONFIG_DIR, ConfigError, load_config, parse_config
+from embedfleet.deployments.engine.ascend_release import CANN_VERSION
 
 ASCEND = load_config(ASCEND_910B_CONFIG)
 EXAMPLE = cluster_spec(ASCEND, example=True)  # what the checked-in examples are rendered with

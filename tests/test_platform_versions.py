@@ -91,9 +91,9 @@ def test_engine_header_carries_the_plugins_version(tmp_path):
     install_dist(site, "vllm-ascend", "0.23.0.post1", package="vllm_ascend",
                  init=VLLM_ASCEND_INIT)
     code = ("import json; from embedfleet.deployments.engine.vllm_engine import engine_version_label; "
-            "from embedfleet.deployments.request_path.fingerprint import fingerprint_headers; "
-            "h = fingerprint_headers(digest='d', dtype='bfloat16', engine=engine_version_label(), "
-            "platform='ascend', prefix_cache=True); print(json.dumps(h))")
+            "from embedfleet.deployments.contracts import Fingerprint; "
+            "h = Fingerprint('d', 'bfloat16', engine_version_label(), 'ascend', True).headers(); "
+            "print(json.dumps(h))")
     got = run(site, code)
     assert got["x-embedfleet-engine"] == "vllm 0.32.0; vllm-ascend 0.23.0.post1"
     # without the plugin, the header names vLLM alone

@@ -7,9 +7,10 @@ import orjson
 import pytest
 
 from embedfleet.deployments.errors import RequestValidation
-from embedfleet.deployments.request_path.long_input import InputPlan, LongInputPolicy
+from embedfleet.deployments.request_path.long_input import LongInputPolicy
+from embedfleet.deployments.request_path.pipeline import request_policy
 from embedfleet.deployments.api.tei import (
-    long_input_headers,
+    tei_to_pipeline,
     parse_tei_embed_request,
     parse_tei_tokenize_request,
     simple_tokens,
@@ -69,21 +70,22 @@ def test_body_must_be_an_object():
 def test_truncate_maps_onto_the_long_input_policy():
     default = LongInputPolicy(mode="chunk", chunk_tokens=400, chunk_overlap=50,
                               max_total_tokens=32768, truncation_direction="right")
-    assert parse_tei_embed_request({"inputs": "a"}).long_input_policy(default) == default
-    t = parse_tei_embed_request({"inputs": "a", "truncate": True,
-                                 "truncation_direction": "Left"}).long_input_policy(default)
+
+    def policy(body, base=default):
+        return request_policy(base, tei_to_pipeline(parse_tei_embed_request(body), "m")) or base
+
+    assert policy({"inputs": "a"}) == default
+    t = policy({"inputs": "a", "truncate": True, "truncation_direction": "Left"})
     assert (t.mode, t.truncation_direction) == ("truncate", "left")
     assert (t.chunk_tokens, t.chunk_overlap, t.max_total_tokens) == (400, 50, 32768)
-    r = parse_tei_embed_request({"inputs": "a", "truncate": False}).long_input_policy(default)
+    r = policy({"inputs": "a", "truncate": False})
     assert r.mode == "reject" and r.max_total_tokens == 32768
     # A direction alone refines the model's default (which may itself truncate).
-    d = parse_tei_embed_request({"inputs": "a", "truncation_direction": "left"})
-    assert d.long_input_policy(default.model_copy(update={"mode": "truncate"})
-                               ).truncation_direction == "left"
+    assert policy({"inputs": "a", "truncation_direction": "left"},
+                  default.model_copy(update={"mode": "truncate"})).truncation_direction == "left"
     # An unspecified direction does not override a model default of "left".
     left_default = default.model_copy(update={"mode": "truncate", "truncation_direction": "left"})
-    assert parse_tei_embed_request({"inputs": "a", "truncate": True}).long_input_policy(
-        left_default).truncation_direction == "left"
+    assert policy({"inputs": "a", "truncate": True}, left_default).truncation_direction == "left"
 
 
 # -- /embed response ---------------------------------------------------------------------------
@@ -95,18 +97,6 @@ def test_embed_response_is_a_bare_list_of_float_lists():
     np.testing.assert_allclose(body, np.stack(vecs), rtol=1e-6)
 
 
-def test_long_input_headers_report_each_input_in_order():
-    plans = [InputPlan([[1, 2]], [2], False, 0, 1, 2),
-             InputPlan([[1] * 256], [256], True, 2744, 1, 3000),
-             InputPlan([[1] * 256] * 15, [256] * 15, False, 0, 15, 3000)]
-    assert long_input_headers(plans) == {
-        "x-embedfleet-truncated": "0,1,0",
-        "x-embedfleet-dropped-tokens": "0,2744,0",
-        "x-embedfleet-chunks": "1,1,15",
-    }
-
-
-# -- /tokenize ---------------------------------------------------------------------------------
 def test_tokenize_request_defaults():
     req = parse_tei_tokenize_request({"inputs": "test"})
     assert req.inputs == ["test"] and req.add_special_tokens is True and req.prompt_name is None

@@ -12,11 +12,10 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
-from embedfleet.deployments.request_path.fingerprint import fingerprint_headers
+from embedfleet.deployments.contracts import Fingerprint
 
-# The fingerprint header names, from the module that sets them (not the per-request counts).
-FINGERPRINT_KEYS = tuple(fingerprint_headers(digest="", dtype="", engine="", platform="",
-                                             prefix_cache=False))
+# The fingerprint header names, from the contract that sets them (not the per-request counts).
+FINGERPRINT_KEYS = tuple(Fingerprint("", "", "", "", False).headers())
 
 
 class VerifyUsageError(Exception):

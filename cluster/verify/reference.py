@@ -109,7 +109,7 @@ class Reference:
 
 
 def bundled_path(model: str) -> Path | None:
-    from embedfleet.deployments.config import ModelSource
+    from embedfleet.deployments.model_source import ModelSource
 
     try:  # resolved as the deployment resolves `source.package`
         return Path(ModelSource(package=BUNDLED_PACKAGES[model]).resolve())

@@ -7,14 +7,18 @@ body into an ``EmbeddingRequest`` or raises ``RequestValidation`` naming the off
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
+                      WithJsonSchema, field_validator)
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
+from embedfleet.deployments.contracts import InputReport
 from embedfleet.deployments.errors import RequestValidation
+from embedfleet.deployments.request_path.pipeline import EmbedRequest
 
 TokenIds = list[int]
 EncodingFormat = Literal["float", "base64"]
@@ -77,10 +81,21 @@ def _check_ids(ids: list[int], where: str) -> None:
             raise _bad("invalid_token_id", f"{where}[{j}]={t}: token ids are non-negative")
 
 
+# The four wire shapes of `input`, for the OpenAPI document: the field's own type is what
+# ``normalize_input`` turns them into, which is not what a client sends.
+_TEXT = {"type": "string", "minLength": 1}
+_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+INPUT_JSON_SCHEMA = {
+    "anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT}, _IDS,
+              {"type": "array", "minItems": 1, "items": _IDS}],
+    "description": "Text(s) or token ids to embed: a string, a list of strings, a list of token "
+                   "ids (one input) or a list of token-id lists."}
+
+
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input: list[str] | list[TokenIds] = Field(description="Text(s) or token ids to embed.")
+    input: Annotated[list[str] | list[TokenIds], WithJsonSchema(INPUT_JSON_SCHEMA)]
     model: str = Field(min_length=1)
     encoding_format: EncodingFormat = "float"
     dimensions: PositiveInt | None = None
@@ -103,6 +118,45 @@ class EmbeddingRequest(BaseModel):
     @property
     def is_tokens(self) -> bool:
         return bool(self.input) and not isinstance(self.input[0], str)
+
+
+# -- the response (documents what ``embedding_response`` builds; tests hold the two together) --
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(
+        description="The vector; with encoding_format=base64, its little-endian float32 bytes.")
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Input tokens served from the prefix cache.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class InputNote(BaseModel):
+    index: int
+    truncated: bool
+    dropped_tokens: int
+    chunks: int
+    input_tokens: int
+
+
+class EmbedfleetNotes(BaseModel):
+    inputs: list[InputNote] = Field(description="The inputs the long-input policy changed.")
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: Usage
+    # absent rather than null when there is nothing to say: SkipJsonSchema keeps null out of the doc
+    embedfleet: EmbedfleetNotes | SkipJsonSchema[None] = None
 
 
 def parse_body(model: type[BaseModel], data: Any) -> Any:
@@ -143,9 +197,9 @@ def encode_vector(vec: np.ndarray, encoding: EncodingFormat) -> Any:
     return vec
 
 
-def embedding_response(vectors: list[np.ndarray], *, model: str, prompt_tokens: int,
-                       encoding: EncodingFormat, cached_tokens: int = 0,
-                       inputs_report: list[dict[str, Any]] | None = None) -> bytes:
+def embedding_response(vectors: np.ndarray | list[np.ndarray], *, model: str,
+                       prompt_tokens: int, encoding: EncodingFormat, cached_tokens: int = 0,
+                       inputs_report: tuple[InputReport, ...] | None = None) -> bytes:
     body = {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, encoding)}
@@ -157,6 +211,15 @@ def embedding_response(vectors: list[np.ndarray], *, model: str, prompt_tokens: 
     }
     if inputs_report is not None:
         # What the long-input policy did, for the inputs it changed (OpenAI clients ignore it).
-        body["embedfleet"] = {"inputs": [r for r in inputs_report
-                                         if r.get("truncated") or r.get("chunks", 1) > 1]}
+        body["embedfleet"] = {"inputs": [
+            {"index": r.index, "truncated": r.truncated, "dropped_tokens": r.dropped_tokens,
+             "chunks": r.chunks, "input_tokens": r.input_tokens}
+            for r in inputs_report if r.truncated or r.chunks > 1]}
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def to_pipeline(req: EmbeddingRequest) -> EmbedRequest:
+    return EmbedRequest(model=req.model, inputs=req.input, param="input",
+                        dimensions=req.dimensions, long_input_mode=req.long_input,
+                        truncation_direction=req.truncation_direction,
+                        prompt_name=req.prompt_name, task=req.task)

@@ -24,21 +24,24 @@ Where embedfleet differs, on purpose:
 * Token-id ``inputs`` (which newer TEI accepts) are refused with a message pointing at
   ``/v1/embeddings``, which takes them.
 * The bare-list response has no room for per-input notes, so what the long-input policy did is in
-  response headers (``long_input_headers``).
+  response headers (``x-embedfleet-truncated-inputs``, ``x-embedfleet-chunked-inputs``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypedDict
+from typing import Annotated, Any
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+from pydantic import (BaseModel, ConfigDict, PositiveInt, RootModel, WithJsonSchema,
+                      field_validator)
 from pydantic_core import PydanticCustomError
+from typing_extensions import TypedDict  # pydantic documents only this TypedDict before 3.12
 
-from embedfleet.deployments.request_path.long_input import InputPlan, LongInputPolicy, TruncationDirection
+from embedfleet.deployments.request_path.long_input import TruncationDirection
 from embedfleet.deployments.api.openai import parse_body
+from embedfleet.deployments.request_path.pipeline import EmbedRequest
 
 
 def _bad(code: str, message: str) -> PydanticCustomError:
@@ -74,13 +77,24 @@ def _direction(value: Any) -> Any:
     return value.lower() if isinstance(value, str) and value.lower() in ("right", "left") else value
 
 
+# The wire shapes, for the OpenAPI document (the fields' types are what the validators make of
+# them): one text or a list of texts, and TEI's capitalised spelling of the direction.
+_TEXT = {"type": "string", "minLength": 1}
+INPUTS_JSON_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT}],
+                      "description": "Text(s): a string or a list of strings."}
+DIRECTION_JSON_SCHEMA = {"enum": ["right", "left", "Right", "Left"], "default": "right",
+                         "description": "right keeps the beginning, left the end."}
+TeiInputs = Annotated[list[str], WithJsonSchema(INPUTS_JSON_SCHEMA)]
+
+
 class TeiEmbedRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    inputs: list[str] = Field(description="Text(s) to embed.")
+    inputs: TeiInputs
     truncate: bool | None = None
     """True: truncate; False: reject over-long inputs (400); None: the model's long-input policy."""
-    truncation_direction: TruncationDirection = "right"
+    truncation_direction: Annotated[TruncationDirection,
+                                    WithJsonSchema(DIRECTION_JSON_SCHEMA)] = "right"
     normalize: bool = True
     dimensions: PositiveInt | None = None
     prompt_name: str | None = None
@@ -97,26 +111,11 @@ class TeiEmbedRequest(BaseModel):
     def _truncation_direction(cls, v: Any) -> Any:
         return _direction(v)
 
-    def long_input_policy(self, model_default: LongInputPolicy) -> LongInputPolicy:
-        """The policy for this request, from the model's default and ``truncate``.
-
-        Only what the request says overrides the default: chunk sizes and the total bound always
-        come from the model's configuration.
-        """
-        update: dict[str, Any] = {}
-        if self.truncate is True:
-            update["mode"] = "truncate"
-        elif self.truncate is False:
-            update["mode"] = "reject"
-        if "truncation_direction" in self.model_fields_set:
-            update["truncation_direction"] = self.truncation_direction
-        return model_default.model_copy(update=update) if update else model_default
-
 
 class TeiTokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    inputs: list[str]
+    inputs: TeiInputs
     add_special_tokens: bool = True
     prompt_name: str | None = None
     model: str | None = None
@@ -128,6 +127,16 @@ class TeiTokenizeRequest(BaseModel):
         return normalize_tei_inputs(v)
 
 
+def tei_to_pipeline(req: TeiEmbedRequest, model: str) -> EmbedRequest:
+    """TEI's ``truncate`` (true: truncate, false: reject, absent: the model's policy) and
+    ``truncation_direction`` as the pipeline's long-input overrides."""
+    mode = {True: "truncate", False: "reject", None: None}[req.truncate]
+    direction = (req.truncation_direction if "truncation_direction" in req.model_fields_set
+                 else None)
+    return EmbedRequest(model=model, inputs=req.inputs, param="inputs",
+                        dimensions=req.dimensions, long_input_mode=mode,
+                        truncation_direction=direction, prompt_name=req.prompt_name,
+                        normalize=req.normalize)
 
 
 def parse_tei_embed_request(data: Any) -> TeiEmbedRequest:
@@ -141,23 +150,14 @@ def parse_tei_tokenize_request(data: Any) -> TeiTokenizeRequest:
 
 
 # -- responses -------------------------------------------------------------------------------
+class TeiEmbedResponse(RootModel[list[list[float]]]):
+    """One vector per input, in input order (documents ``tei_embed_response``)."""
+
+
 def tei_embed_response(vectors: Sequence[np.ndarray]) -> bytes:
     """TEI's ``EmbedResponse``: a JSON list of float lists, in input order."""
     return orjson.dumps([np.asarray(v, dtype=np.float32) for v in vectors],
                         option=orjson.OPT_SERIALIZE_NUMPY)
-
-
-def long_input_headers(plans: Sequence[InputPlan]) -> dict[str, str]:
-    """Per-input long-input outcome as response headers, comma-separated in input order.
-
-    TEI's response is a bare list, so there is no field to put this in; headers are what TEI itself
-    uses for per-request metadata (its timing headers), and clients that do not look ignore them.
-    """
-    return {
-        "x-embedfleet-truncated": ",".join("1" if p.truncated else "0" for p in plans),
-        "x-embedfleet-dropped-tokens": ",".join(str(p.dropped_tokens) for p in plans),
-        "x-embedfleet-chunks": ",".join(str(p.chunks) for p in plans),
-    }
 
 
 class SimpleToken(TypedDict):
@@ -196,6 +196,10 @@ def tokenize_tei(tokenizer: Any, texts: Sequence[str],
     return [simple_tokens(text, ids, offs, mask, tokenizer.convert_ids_to_tokens(ids))
             for text, ids, offs, mask in zip(texts, enc["input_ids"], enc["offset_mapping"],
                                               enc["special_tokens_mask"])]
+
+
+class TeiTokenizeResponse(RootModel[list[list[SimpleToken]]]):
+    """One token list per input, in input order (documents ``tei_tokenize_response``)."""
 
 
 def tei_tokenize_response(tokens: Sequence[Sequence[SimpleToken]]) -> bytes:

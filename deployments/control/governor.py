@@ -32,83 +32,20 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
-
-from embedfleet.deployments.control.governor_law import CardState, GovernorParams, hold_stale, step
-from embedfleet.deployments.control.memory_queries import (PRESETS, CardKey, CardMemoryQuery, CardReading, PresetName,
-                                    PrometheusQueryError, PrometheusUnavailable,
-                                    aquery_card_ratios, dcgm_query, npu_exporter_query)
-
-if TYPE_CHECKING:
-    from embedfleet.deployments.config import EmbedfleetConfig
+from embedfleet.deployments.config import EmbedfleetConfig, parse_config
+from embedfleet.deployments.contracts import Ceiling, Limits
+from embedfleet.deployments.control.durable import DurableStore
+from embedfleet.deployments.control.governor_config import GovernorConfig
+from embedfleet.deployments.control.governor_law import CardState, hold_stale, step
+from embedfleet.deployments.control.memory_queries import (CardKey, CardReading,
+                                                           PrometheusQueryError,
+                                                           PrometheusUnavailable,
+                                                           aquery_card_ratios)
 
 logger = logging.getLogger("embedfleet.governor")
-
-
-class GovernorConfig(BaseModel):
-    """Where the governor reads card memory, how often, and its control law's parameters."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    prometheus_url: str = "http://127.0.0.1:9090"
-    """Prometheus' base URL (the HTTP API is under ``/api/v1``)."""
-    query_preset: PresetName = "embedfleet"
-    """Which card memory query to run (``embedfleet.deployments.control.memory_queries.PRESETS``)."""
-    node_label: str | None = None
-    """For the exporter presets: the exporter label that names the node (``instance`` = the
-    scrape target's host). None: the preset's default. See the module docstring."""
-    node_aliases: dict[str, str] = Field(default_factory=dict)
-    """Prometheus ``node`` value → the node IP replicas report, for exporters that name nodes
-    differently (DCGM's hostnames)."""
-    interval_s: PositiveFloat = 5.0
-    """Seconds between control steps; replicas pull limits at the same pace."""
-    query_timeout_s: PositiveFloat = 3.0
-    """Bound on one Prometheus query (capped at ``interval_s``): a hung Prometheus must not
-    stretch the control interval."""
-    peak_window_s: PositiveFloat = 15.0
-    """Replicas export the highest card reading of this many seconds (``LimitsFollower``): Ray's
-    metrics agent reports every ~10 s, so a one-interval spike must outlive a report to be seen."""
-    forget_after_s: PositiveFloat = 60.0
-    """A card whose replica has not pulled limits for this long is dropped: its memory series
-    disappears with the replica, and keeping it would report "stale" forever."""
-    params: GovernorParams = GovernorParams()
-
-    @model_validator(mode="after")
-    def _check(self) -> GovernorConfig:
-        if self.query_preset == "embedfleet" and (self.node_label is not None
-                                                  or self.node_aliases):
-            raise ValueError(f"node_label={self.node_label!r} / node_aliases="
-                             f"{self.node_aliases!r} only apply to exporter presets; the "
-                             "embedfleet preset's series already carry the replicas' node names")
-        if self.params.cooldown_s < self.peak_window_s:
-            raise ValueError(f"params.cooldown_s ({self.params.cooldown_s}) must be at least "
-                             f"peak_window_s ({self.peak_window_s}): replicas report the peak of "
-                             "that window, so a shorter cooldown cuts again for the spike the "
-                             "last cut already answered")
-        if self.forget_after_s < 3 * self.interval_s:
-            raise ValueError(f"forget_after_s ({self.forget_after_s}) must be at least 3 x "
-                             f"interval_s ({self.interval_s}): replicas pull once per interval, "
-                             "and a couple of missed pulls must not drop a live card")
-        return self
-
-    def card_query(self) -> CardMemoryQuery:
-        if self.node_label is None and not self.node_aliases:
-            return PRESETS[self.query_preset]
-        if self.query_preset == "npu-exporter":
-            return npu_exporter_query(node_label=self.node_label or "node",
-                                      aliases=self.node_aliases)
-        return dcgm_query(node_label=self.node_label or "Hostname", aliases=self.node_aliases)
-
-
-class Ceiling(BaseModel):
-    """A card's configured budget: the most the governor will ever allow it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_sequences: PositiveInt
-    max_tokens: PositiveInt
+CARD_STATES = "governor_card_state"  # durable kind: one CardState per "node|device"
 
 
 ReadingSource = Callable[[], Awaitable[dict[CardKey, CardReading]]]
@@ -146,6 +83,10 @@ class _Card:
     last_pull: float
 
 
+def _store_key(key: CardKey) -> str:
+    return f"{key[0]}|{key[1]}"
+
+
 def _finite_or_none(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
@@ -157,10 +98,8 @@ class MemoryGovernor:
     def __init__(self, config: dict[str, Any],
                  governor: GovernorConfig | dict[str, Any] | None = None, *,
                  sink: MetricsSink | None = None, clock: Callable[[], float] = time.time,
-                 autostart: bool = True, readings: ReadingSource | None = None) -> None:
-        # Imported here: embedfleet.deployments.config imports GovernorConfig from this module.
-        from embedfleet.deployments.config import parse_config
-
+                 autostart: bool = True, readings: ReadingSource | None = None,
+                 store: DurableStore | None = None) -> None:
         self.cfg: EmbedfleetConfig = parse_config(config, "MemoryGovernor args")
         if governor is None:  # once the main config carries `governor`, it is the source
             governor = getattr(self.cfg, "governor", None) or GovernorConfig()
@@ -177,6 +116,12 @@ class MemoryGovernor:
         self._tick_errors = 0
         self._autostart = autostart
         self._task: asyncio.Task[None] | None = None
+        # Each card's state is written through to the GCS when it changes, and a restarted
+        # governor resumes a card from it: a governor restart during a memory surge must not
+        # hand out the ceiling again. In Serve the store is the app's; tests pass their own.
+        self._store = store if store is not None or not autostart else DurableStore.connected(
+            self.cfg.app_name)
+        self._saved: dict[str, CardState] = self._load_saved()
         self._ensure_started()
         logger.info("memory governor: %s preset at %s every %g s (high %g, low %g)",
                     self._query.name, self.settings.prometheus_url, self.settings.interval_s,
@@ -258,6 +203,7 @@ class MemoryGovernor:
             card.state = states[key] = new
             if new.changed or prev.action == "start":
                 self._log_change(key, new)
+                self._save(key, new)
             self._publish_card(key, card)
         self._sink.set_gauge("embedfleet_governor_stale",
                              int(readings is None or any(s.stale for s in states.values())), {})
@@ -298,31 +244,55 @@ class MemoryGovernor:
         if ratio is not None:
             self._sink.set_gauge("embedfleet_governor_memory_ratio", ratio, tags)
         limits = self._effective(card)
-        self._sink.set_gauge("embedfleet_governor_limit_tokens", limits["max_tokens"], tags)
-        self._sink.set_gauge("embedfleet_governor_limit_sequences", limits["max_sequences"], tags)
+        self._sink.set_gauge("embedfleet_governor_limit_tokens", limits.max_tokens, tags)
+        self._sink.set_gauge("embedfleet_governor_limit_sequences", limits.max_sequences, tags)
+
+    # -- durable state ---------------------------------------------------------------------------
+    def _load_saved(self) -> dict[str, CardState]:
+        if self._store is None:
+            return {}
+        try:
+            return self._store.items(CARD_STATES, CardState)
+        except Exception as exc:  # the GCS unreachable: start from the ceilings, say so
+            logger.warning("cannot read the governor's saved card states: %r", exc)
+            return {}
+
+    def _save(self, key: CardKey, state: CardState) -> None:
+        if self._store is None:
+            return
+        try:
+            self._store.put(CARD_STATES, _store_key(key), state)
+        except Exception as exc:
+            logger.warning("cannot save card %s/%s's state: %r", *key, exc)
 
     # -- what replicas and status call -----------------------------------------------------------
     @staticmethod
-    def _effective(card: _Card) -> dict[str, Any]:
+    def _effective(card: _Card) -> Limits:
         # A smaller ceiling (redeploy) applies at once, before the next step re-clamps the state.
         lim = card.state.limits
-        return {"max_sequences": min(lim.max_sequences, card.ceiling.max_sequences),
-                "max_tokens": min(lim.max_tokens, card.ceiling.max_tokens),
-                "stale": lim.stale, "reason": lim.reason,
-                "ratio": _finite_or_none(card.state.ratio), "action": card.state.action}
+        return Limits(max_sequences=min(lim.max_sequences, card.ceiling.max_sequences),
+                      max_tokens=min(lim.max_tokens, card.ceiling.max_tokens),
+                      stale=lim.stale, reason=lim.reason,
+                      ratio=_finite_or_none(card.state.ratio), action=card.state.action)
 
-    async def limits_for(self, node: str, device: str, ceiling: dict[str, Any]) -> dict[str, Any]:
-        """The card's current limits: ``{max_sequences, max_tokens, stale, reason, ratio,
-        action}``. The first call registers the card at its ``ceiling``
-        (``{max_sequences, max_tokens}``); later calls update the ceiling if it changed."""
+    async def limits_for(self, node: str, device: str, ceiling: Ceiling) -> Limits:
+        """The card's current limits. The first call registers the card at its ``ceiling``;
+        later calls update the ceiling if it changed."""
         self._ensure_started()
         key: CardKey = (str(node), str(device))
         ceil = Ceiling.model_validate(ceiling)
         card = self._cards.get(key)
         if card is None:
-            card = self._cards[key] = _Card(ceil, CardState.initial(ceil), self._clock())
-            logger.info("card %s/%s registered, ceiling %d seq / %d tok", *key,
-                        ceil.max_sequences, ceil.max_tokens)
+            saved = self._saved.pop(_store_key(key), None)
+            card = self._cards[key] = _Card(ceil, saved or CardState.initial(ceil),
+                                            self._clock())
+            if saved is None:
+                logger.info("card %s/%s registered, ceiling %d seq / %d tok", *key,
+                            ceil.max_sequences, ceil.max_tokens)
+            else:  # the next step clamps it to the (possibly new) ceiling
+                logger.warning("card %s/%s resumed from its saved state: %d seq / %d tok (%s)",
+                               *key, saved.limits.max_sequences, saved.limits.max_tokens,
+                               saved.reason)
             self._publish_card(key, card)
         else:
             if ceil != card.ceiling:
@@ -339,7 +309,8 @@ class MemoryGovernor:
         cards = []
         for (node, device), card in sorted(self._cards.items()):
             cards.append({"node": node, "device": device,
-                          "ceiling": card.ceiling.model_dump(), **self._effective(card),
+                          "ceiling": card.ceiling.model_dump(),
+                          **self._effective(card).model_dump(),
                           "sample_ts": card.state.sample_ts, "last_pull_at": card.last_pull})
         return {
             "prometheus_url": self.settings.prometheus_url,

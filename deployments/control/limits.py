@@ -18,8 +18,9 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol
 
+from embedfleet.deployments.contracts import Ceiling, Limits
 from embedfleet.deployments.engine.card_memory import CardMemoryReading, CpuCardModel, reading_from_probe
 from embedfleet.deployments.engine.vllm_engine import EmbeddingEngine
 from embedfleet.deployments.engine.gate import EngineGate
@@ -40,8 +41,8 @@ class Sink(Protocol):
 
 class LimitsFollower:
     def __init__(self, *, gate: EngineGate[EmbeddingEngine], budget: Budget,
-                 card_tags: dict[str, str], ceiling: dict[str, int],
-                 pull_limits: Callable[[], Awaitable[dict[str, Any]]] | None,
+                 card_tags: dict[str, str], ceiling: Ceiling,
+                 pull_limits: Callable[[], Awaitable[Limits]] | None,
                  interval_s: float, sink: Sink, cpu_card: CpuCardModel | None,
                  peak_window_s: float = 15.0, idle: Callable[[], bool] = lambda: False,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -59,8 +60,8 @@ class LimitsFollower:
         self._clock = clock or (lambda: asyncio.get_running_loop().time())
         self._recent: deque[tuple[float, CardMemoryReading]] = deque()
         self.ceiling = ceiling
-        self.limits: dict[str, Any] = {**ceiling, "stale": False,
-                                       "reason": "ceiling (no governor reading yet)"}
+        self.limits = Limits(max_sequences=ceiling.max_sequences, max_tokens=ceiling.max_tokens,
+                             reason="ceiling (no governor reading yet)")
         self.reading: CardMemoryReading | None = None
         self.idle_ratio: float | None = None
         """The signal's first reading, taken before any request: the card's idle floor."""
@@ -105,10 +106,10 @@ class LimitsFollower:
         except Exception as exc:  # governor restarting: keep the last limits
             logger.warning("cannot pull limits from MemoryGovernor: %r", exc)
             return
-        new = (limits["max_sequences"], limits["max_tokens"])
+        new = (limits.max_sequences, limits.max_tokens)
         if new != self._budget.limits:
             logger.warning("card %s/%s budget -> %d sequences / %d tokens (%s)",
-                           self._tags["node"], self._tags["device"], *new, limits.get("reason"))
+                           self._tags["node"], self._tags["device"], *new, limits.reason)
         self._budget.set_limits(*new)
         self.limits = limits
 

@@ -55,3 +55,29 @@ def waiting_reasons(app_name: str, resource: str, deployments: dict[str, str]) -
     free, total = card_counts(resource)
     return {model: waiting_message(pending[d], resource, free, total)
             for d, model in deployments.items() if pending.get(d)}
+
+
+# Ray actor states of a replica that exists or is being made (DEAD ones are gone for good:
+# Serve replaces them with a new actor).
+_LIVE_STATES = ("ALIVE", "PENDING_CREATION", "DEPENDENCIES_UNREADY", "RESTARTING")
+
+
+class ReplicaActors:
+    """One look at Ray's actor table for an application's replicas: per deployment, the
+    (node id, pid) of ALIVE replica actors and the number still being created."""
+
+    def __init__(self, app_name: str) -> None:
+        from ray.util.state import list_actors
+
+        prefix = f"ServeReplica:{app_name}:"
+        self.alive: dict[str, set[tuple[str, int]]] = {}
+        self.creating: dict[str, int] = {}
+        actors = list_actors(filters=[("state", "!=", "DEAD")], limit=10000)
+        for a in actors:
+            if not a.class_name.startswith(prefix) or a.state not in _LIVE_STATES:
+                continue
+            name = a.class_name[len(prefix):]
+            if a.state == "ALIVE":
+                self.alive.setdefault(name, set()).add((a.node_id, a.pid))
+            else:
+                self.creating[name] = self.creating.get(name, 0) + 1

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from embedfleet.deployments import metrics
+from embedfleet.deployments.contracts import CanaryView, PrefixCacheView, SwapView
 from embedfleet.deployments.control.canary import VERDICTS, CanaryResult, run_canary
 from embedfleet.deployments.engine.vllm_engine import EmbeddingEngine
 from embedfleet.deployments.engine.gate import EngineGate
@@ -73,11 +74,12 @@ class PrefixCacheController:
     def reads_cache(self) -> bool:
         return self.state == "on"
 
-    def view(self) -> dict[str, Any]:
-        return {"enabled": self.reads_cache, "state": self.state, "reason": self.reason,
-                "last_canary": self.last_canary.to_dict() if self.last_canary else None,
-                "swap": {"attempts": self.swap_attempts, "error": self.swap_error,
-                         "gave_up": self.gave_up}}
+    def view(self) -> PrefixCacheView:
+        return PrefixCacheView(
+            enabled=self.reads_cache, state=self.state, reason=self.reason,
+            last_canary=CanaryView(**self.last_canary.to_dict()) if self.last_canary else None,
+            swap=SwapView(attempts=self.swap_attempts, error=self.swap_error,
+                          gave_up=self.gave_up))
 
     def export(self) -> None:
         tag = {"model": self.model}
@@ -115,7 +117,7 @@ class PrefixCacheController:
                          "caching off for this model", self.model, self._card, result.detail)
             reason = f"disabled by the canary: {result.detail}"
             if self._report_failure is not None:
-                await self._report_failure(reason, result.to_dict())
+                await self._report_failure(reason, CanaryView(**result.to_dict()))
             self.switch_off(reason)
         return result
 

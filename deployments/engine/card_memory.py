@@ -12,7 +12,7 @@ it would cut budgets to the floor and never raise them. So the signal is
 
 * The free part of the KV pool is held by vLLM and can never serve anything else: it is neither
   pressure nor room. Blocks in use count (they follow admitted work), taken at their peak over the
-  interval so a long prefill's spike is seen (``vllm_api.KvUsageTracker``).
+  interval so a long prefill's spike is seen (``kv_usage.KvUsageTracker``).
 * The caching allocator keeps freed activation memory mapped; it is room for the next step, not
   work. Its peak *allocated* bytes since the last probe (then reset) are what the work used.
 * ratio = 1 is the card out of memory: whatever would be allocated next has nowhere to go. At idle

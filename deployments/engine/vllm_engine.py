@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from embedfleet.deployments.engine import vllm_api
+from embedfleet.deployments.engine.kv_usage import KvSample, KvUsageTracker
 
 logger = logging.getLogger("embedfleet.engine")
 
@@ -50,7 +51,7 @@ class EngineMemory:
     """Raw memory facts of one engine (``embedfleet.deployments.engine.card_memory`` turns them into a signal)."""
 
     probe: dict[str, int]  # from the worker process (vllm_api.MemoryProbeExtension)
-    kv: vllm_api.KvSample
+    kv: KvSample
 
 
 @runtime_checkable
@@ -99,7 +100,7 @@ class VllmEmbeddingEngine:
 
     def __post_init__(self) -> None:
         t0 = time.monotonic()
-        self.kv = vllm_api.KvUsageTracker()
+        self.kv = KvUsageTracker()
         self._llm = vllm_api.start_engine(self.engine_kwargs, self.kv if self.observed else None)
         self._tokenizer = vllm_api.tokenizer(self._llm)
         self.hf_tokenizer = self._tokenizer

@@ -15,6 +15,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 
+class Refused(Exception):
+    """While the call waited, its model became unservable (``refuse()`` gave the reason)."""
+
+
 class HoldExpired(Exception):
     """The call did not finish within its bound; ``no_replica`` says whether it was held."""
 
@@ -24,13 +28,33 @@ class HoldExpired(Exception):
         self.no_replica = no_replica
 
 
+async def _wait_unless_refused(task: asyncio.Future[Any], timeout: float,
+                               refuse: Callable[[], str | None] | None) -> set[Any]:
+    # A call queued in Serve for a replica that will not come (its card taken) would otherwise
+    # wait out request_timeout_s: look at the readiness view once a second.
+    if refuse is None:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        return done
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, min(left, 1.0)))
+        if done or left <= 1.0:
+            return done
+        why = refuse()
+        if why is not None:
+            raise Refused(why)
+
+
 async def await_with_hold(call: Awaitable[Any], request_timeout_s: float, hold_s: float,
-                          has_ready_replica: Callable[[], Awaitable[bool]]) -> Any:
-    """Await ``call``; raise ``HoldExpired`` (after cancelling it) when its bound runs out."""
+                          has_ready_replica: Callable[[], Awaitable[bool]],
+                          refuse: Callable[[], str | None] | None = None) -> Any:
+    """Await ``call``; raise ``HoldExpired`` (after cancelling it) when its bound runs out, or
+    ``Refused`` when ``refuse()`` says the model cannot serve."""
     t0 = time.monotonic()
     task = asyncio.ensure_future(call)
     try:
-        done, _ = await asyncio.wait({task}, timeout=request_timeout_s)
+        done = await _wait_unless_refused(task, request_timeout_s, refuse)
         no_replica = False
         if not done:
             no_replica = not await has_ready_replica()

@@ -29,17 +29,6 @@ def model_digest(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def fingerprint_headers(*, digest: str, dtype: str, engine: str, platform: str,
-                        prefix_cache: bool) -> dict[str, str]:
-    return {
-        f"{HEADER_PREFIX}model-digest": digest,
-        f"{HEADER_PREFIX}dtype": dtype,
-        f"{HEADER_PREFIX}engine": engine,
-        f"{HEADER_PREFIX}platform": platform,
-        f"{HEADER_PREFIX}prefix-cache": "on" if prefix_cache else "off",
-    }
-
-
 def safetensors_bytes(model_dir: str | Path) -> int | None:
     """Bytes of every tensor in the folder's safetensors files (from their headers); None when
     the folder holds none."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from embedfleet.deployments.contracts import InputReport
 from embedfleet.deployments.engine.vllm_engine import EngineInfo
 from embedfleet.deployments.errors import InvalidTokenId, UnsupportedParameter
 from embedfleet.deployments.request_path.long_input import (
@@ -38,8 +39,9 @@ class PreparedCall:
     def piece_tokens(self) -> int:
         return sum(len(p) for p in self.pieces)
 
-    def report(self) -> list[dict[str, Any]]:
-        return [{"index": i, **p.report()} for i, p in enumerate(self.plans)]
+    def report(self) -> tuple[InputReport, ...]:
+        return tuple(InputReport(i, p.truncated, p.dropped_tokens, p.chunks, p.input_tokens)
+                     for i, p in enumerate(self.plans))
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""The memory governor's settings: where it reads card memory, how often, its law's parameters.
+
+Kept apart from the governor itself so the config schema (``deployments.config``) can hold them
+without importing the deployment (which parses that schema: an import cycle before).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
+
+from embedfleet.deployments.control.governor_law import GovernorParams
+from embedfleet.deployments.control.memory_queries import (PRESETS, CardMemoryQuery, PresetName,
+                                                           dcgm_query, npu_exporter_query)
+
+
+class GovernorConfig(BaseModel):
+    """Where the governor reads card memory, how often, and its control law's parameters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prometheus_url: str = "http://127.0.0.1:9090"
+    """Prometheus' base URL (the HTTP API is under ``/api/v1``)."""
+    query_preset: PresetName = "embedfleet"
+    """Which card memory query to run (``embedfleet.deployments.control.memory_queries.PRESETS``)."""
+    node_label: str | None = None
+    """For the exporter presets: the exporter label that names the node (``instance`` = the
+    scrape target's host). None: the preset's default. See the module docstring."""
+    node_aliases: dict[str, str] = Field(default_factory=dict)
+    """Prometheus ``node`` value → the node IP replicas report, for exporters that name nodes
+    differently (DCGM's hostnames)."""
+    interval_s: PositiveFloat = 5.0
+    """Seconds between control steps; replicas pull limits at the same pace."""
+    query_timeout_s: PositiveFloat = 3.0
+    """Bound on one Prometheus query (capped at ``interval_s``): a hung Prometheus must not
+    stretch the control interval."""
+    peak_window_s: PositiveFloat = 15.0
+    """Replicas export the highest card reading of this many seconds (``LimitsFollower``): Ray's
+    metrics agent reports every ~10 s, so a one-interval spike must outlive a report to be seen."""
+    forget_after_s: PositiveFloat = 60.0
+    """A card whose replica has not pulled limits for this long is dropped: its memory series
+    disappears with the replica, and keeping it would report "stale" forever."""
+    params: GovernorParams = GovernorParams()
+
+    @model_validator(mode="after")
+    def _check(self) -> GovernorConfig:
+        if self.query_preset == "embedfleet" and (self.node_label is not None
+                                                  or self.node_aliases):
+            raise ValueError(f"node_label={self.node_label!r} / node_aliases="
+                             f"{self.node_aliases!r} only apply to exporter presets; the "
+                             "embedfleet preset's series already carry the replicas' node names")
+        if self.params.cooldown_s < self.peak_window_s:
+            raise ValueError(f"params.cooldown_s ({self.params.cooldown_s}) must be at least "
+                             f"peak_window_s ({self.peak_window_s}): replicas report the peak of "
+                             "that window, so a shorter cooldown cuts again for the spike the "
+                             "last cut already answered")
+        if self.forget_after_s < 3 * self.interval_s:
+            raise ValueError(f"forget_after_s ({self.forget_after_s}) must be at least 3 x "
+                             f"interval_s ({self.interval_s}): replicas pull once per interval, "
+                             "and a couple of missed pulls must not drop a live card")
+        return self
+
+    def card_query(self) -> CardMemoryQuery:
+        if self.node_label is None and not self.node_aliases:
+            return PRESETS[self.query_preset]
+        if self.query_preset == "npu-exporter":
+            return npu_exporter_query(node_label=self.node_label or "node",
+                                      aliases=self.node_aliases)
+        return dcgm_query(node_label=self.node_label or "Hostname", aliases=self.node_aliases)

@@ -1,0 +1,121 @@
+"""The one embed pipeline behind every API adapter: resolve the model, check the request against
+it, slice it over the model's replicas, call them, merge.
+
+Adapters (``api/openai.py``, ``api/tei.py``) only translate their wire shapes to an
+``EmbedRequest`` and the ``Embedded`` result back, so the same bad input gets the same error on
+both. Each model is reached through a ``Caller``: a Serve handle to its replicas (with the
+bounded hold and the retry of a call whose replica died), or, when the ingress is itself the
+model's replica, the replica's own request path in-process (no hop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig
+from embedfleet.deployments.contracts import EmbedCall, EmbedResult, InputReport, merged_headers
+from embedfleet.deployments.errors import ModelNotFound, TooManyInputs
+from embedfleet.deployments.request_path.long_input import LongInputPolicy
+
+logger = logging.getLogger("embedfleet.pipeline")
+
+# Inputs per engine call: large requests are sliced so that several replicas work on them at once,
+# while each slice stays big enough for the engine to batch well.
+SLICE_INPUTS = 128
+
+Caller = Callable[[EmbedCall], Awaitable[EmbedResult]]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedRequest:
+    """An embedding request whatever API it came through."""
+
+    model: str
+    inputs: list[str] | list[list[int]]
+    param: str  # the adapter's name for the inputs ("input", "inputs"), for error messages
+    dimensions: int | None = None
+    long_input_mode: str | None = None  # None: the model's configured mode
+    truncation_direction: str | None = None
+    prompt_name: str | None = None
+    task: str | None = None
+    normalize: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    vectors: np.ndarray  # (inputs, dimensions) float32, in input order
+    prompt_tokens: int
+    cached_tokens: int
+    inputs: tuple[InputReport, ...]
+    headers: dict[str, str]  # fingerprint and long-input counts
+
+
+def long_input_headers(report: tuple[InputReport, ...]) -> dict[str, str]:
+    """Counts of what the long-input policy did, as headers (for TEI clients too)."""
+    return {"x-embedfleet-truncated-inputs": str(sum(1 for r in report if r.truncated)),
+            "x-embedfleet-chunked-inputs": str(sum(1 for r in report if r.chunks > 1))}
+
+
+def request_policy(default: LongInputPolicy, req: EmbedRequest) -> LongInputPolicy | None:
+    """The request's long-input overrides on the model's policy (None: nothing overridden).
+    Chunk sizes and the total bound always come from the model's configuration."""
+    update = {k: v for k, v in (("mode", req.long_input_mode),
+                                 ("truncation_direction", req.truncation_direction)) if v}
+    return default.model_copy(update=update) if update else None
+
+
+class EmbedPipeline:
+    def __init__(self, cfg: EmbedfleetConfig, callers: dict[str, Caller]) -> None:
+        self.cfg = cfg
+        self._callers = callers
+        self._models = {m.name: m for m in cfg.models}
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    def resolve(self, name: str) -> ModelConfig:
+        m = self._models.get(name)
+        if m is None or name not in self._callers:
+            known = ", ".join(sorted(self._callers))
+            raise ModelNotFound(f"model '{name}' does not exist; served models: {known}",
+                                param="model")
+        return m
+
+    def check(self, req: EmbedRequest) -> ModelConfig:
+        """Every check that depends on the model or the router's limits, in one order for every
+        API: the model exists (404), then the request's size (422)."""
+        m = self.resolve(req.model)
+        limit = self.cfg.router.max_inputs_per_request
+        if len(req.inputs) > limit:
+            raise TooManyInputs(f"{req.param} has {len(req.inputs)} items; at most {limit} per "
+                                "request", param=req.param)
+        return m
+
+
+    async def run(self, req: EmbedRequest, request_id: str) -> Embedded:
+        m = self.check(req)
+        caller = self._callers[req.model]
+        policy = request_policy(m.long_input, req)
+        slices = [req.inputs[i:i + SLICE_INPUTS] for i in range(0, len(req.inputs), SLICE_INPUTS)]
+        calls = [EmbedCall(list(s), f"{request_id}-{k}", req.model, req.dimensions, policy,
+                           req.prompt_name, req.task, req.normalize)
+                 for k, s in enumerate(slices)]
+        if len(calls) == 1:
+            results = [await caller(calls[0])]
+        else:
+            results = list(await asyncio.gather(*(caller(c) for c in calls)))
+        vectors = (results[0].vectors if len(results) == 1
+                   else np.concatenate([r.vectors for r in results]))
+        reports = tuple(InputReport(k * SLICE_INPUTS + r.index, r.truncated, r.dropped_tokens,
+                                    r.chunks, r.input_tokens)
+                        for k, res in enumerate(results) for r in res.inputs)
+        headers = {**merged_headers([r.fingerprint for r in results]),
+                   **long_input_headers(reports)}
+        return Embedded(vectors, sum(r.prompt_tokens for r in results),
+                        sum(r.cached_tokens for r in results), reports, headers)

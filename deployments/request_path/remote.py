@@ -1,0 +1,111 @@
+"""Calling a model's replicas through its Serve handle: bounded, held for a cold start, retried.
+
+* A model that should always have a replica (min >= 1) but has none ready and none starting
+  answers 503 + Retry-After at once (``request_path.readiness``), not after ``request_timeout_s``.
+* A call is held (``cold_start_hold_s``) while its model has no ready replica but one is on its
+  way: a scale-to-zero model's cold start, or a replacement for a replica that died.
+* A call whose replica or engine died is retried (inputs are idempotent): on another replica if
+  there is one, else on the replacement, until the bound — the larger of ``request_timeout_s``
+  and ``cold_start_hold_s`` — passes; then 503 + Retry-After saying why.
+* Serve's own queue full is 429 + Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from embedfleet.deployments import metrics
+from embedfleet.deployments.config import ModelConfig, RouterConfig
+from embedfleet.deployments.contracts import EmbedCall, EmbedResult
+from embedfleet.deployments.errors import EngineUnavailable, NotReady, Overloaded
+from embedfleet.deployments.request_path.cold_start import HoldExpired, Refused, await_with_hold
+from embedfleet.deployments.request_path.readiness import ReadinessView
+
+logger = logging.getLogger("embedfleet.remote")
+
+REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+class RemoteCaller:
+    """``await caller(call)``: one model's replicas behind its Serve handle."""
+
+    def __init__(self, handle: Any, model: ModelConfig, router: RouterConfig,
+                 readiness: ReadinessView) -> None:
+        self._handle = handle
+        self._model = model
+        self._router = router
+        self._readiness = readiness
+        bounds = model.replicas
+        self._cold_start_s = bounds.cold_start_hold_s
+        self._always_up = bounds.min_replicas > 0
+        # The whole call's bound, retries included: a replacement engine's cold start.
+        self._bound_s = max(router.request_timeout_s, bounds.cold_start_hold_s)
+
+    def _hold_s(self, model: str) -> float:
+        # A scale-to-zero model is always worth holding (the queued call is what starts a
+        # replica); another only while a replica of it is starting.
+        if not self._always_up or self._readiness.starting_only(model):
+            return self._cold_start_s
+        return 0.0
+
+    def _unservable(self, model: str) -> str | None:
+        return self._readiness.unservable(model) if self._always_up else None
+
+    def _refuse(self, model: str, why: str) -> NotReady:
+        metrics.get("embedfleet_unavailable_rejections_total").inc(
+            1, tags={"model": model, "reason": "no_ready_replica"})
+        return NotReady(f"model '{model}' has no ready replica and none is starting: {why}",
+                        retry_after_s=self._router.retry_after_s)
+
+    async def __call__(self, call: EmbedCall) -> EmbedResult:
+        retry_after = self._router.retry_after_s
+        deadline = time.monotonic() + self._bound_s
+        attempt = 0
+        while True:
+            why = self._unservable(call.model)
+            if why is not None:
+                raise self._refuse(call.model, why)
+            hold_s = self._hold_s(call.model)
+            timeout = max(0.1, min(self._router.request_timeout_s,
+                                   deadline - time.monotonic()))
+            response = self._handle.embed.remote(call)
+            try:
+                return await await_with_hold(response, timeout, hold_s,
+                                             lambda: self._readiness.has_ready(call.model),
+                                             lambda: self._unservable(call.model))
+            except Refused as err:
+                response.cancel()
+                raise self._refuse(call.model, str(err)) from None
+            except BackPressureError as err:
+                metrics.get("embedfleet_overload_rejections_total").inc(
+                    1, tags={"model": call.model, "reason": "serve_queue_full"})
+                raise Overloaded(f"model is at capacity ({err}); retry after {retry_after}s",
+                                 retry_after_s=retry_after) from None
+            except DeploymentUnavailableError as err:
+                raise NotReady(str(err.message), retry_after_s=retry_after) from None
+            except HoldExpired as err:
+                response.cancel()
+                if err.no_replica:
+                    why = self._readiness.waiting(call.model) or "no replica came up"
+                    raise NotReady(f"model '{call.model}' has no ready replica; the request was "
+                                   f"held {err.waited_s:.0f}s (cold_start_hold_s="
+                                   f"{hold_s:g}): {why}", retry_after_s=retry_after) from None
+                raise EngineUnavailable(f"no replica answered within {err.waited_s:.0f}s",
+                                        retry_after_s=retry_after) from None
+            except (EngineUnavailable, *REPLICA_GONE) as err:
+                attempt += 1
+                pause = min(0.25 * attempt, 2.0)
+                if time.monotonic() + pause >= deadline:
+                    raise EngineUnavailable(
+                        f"no replica of '{call.model}' could serve the request within "
+                        f"{self._bound_s:g}s ({attempt} attempts; last: {err})",
+                        retry_after_s=retry_after) from None
+                logger.warning("replica died during %s (attempt %d): %r; retrying",
+                               call.request_id, attempt, err)
+                await asyncio.sleep(pause)

@@ -1,0 +1,136 @@
+"""The replica's request path: prepare the call, wait for the owner queue, embed, finish.
+
+One queue per replica — the admission queue (``request_path.admission``) — decides what runs:
+it admits calls by sequences and tokens (the governor's budget) and hands admitted pieces straight
+to the engine, whose own scheduler (vLLM's) batches them. There is no batcher in between:
+vLLM re-batched whatever a batcher grouped, so it only added a wait and a copy.
+
+Tokenizing long inputs moves off the event loop (a thread), so one big request does not stall
+every other call's bookkeeping; a short one is tokenized in place (a thread hop costs more).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+
+from embedfleet.deployments import metrics
+from embedfleet.deployments.contracts import EmbedCall, EmbedResult, Fingerprint
+from embedfleet.deployments.engine.gate import EngineGate
+from embedfleet.deployments.engine.vllm_engine import Embedding, EmbeddingEngine, EngineInfo
+from embedfleet.deployments.errors import EmbedfleetError, EngineUnavailable
+from embedfleet.deployments.request_path.admission import AdmissionBudget
+from embedfleet.deployments.request_path.inputs import InputPreparer, PreparedCall
+from embedfleet.deployments.request_path.long_input import SpecialTokens
+from embedfleet.deployments.request_path.prompts import PromptTemplates
+from embedfleet.deployments.request_path.long_input import LongInputPolicy
+
+# Characters above which a call's texts are tokenized in a worker thread.
+THREAD_TOKENIZE_CHARS = 16_384
+
+
+class RequestPath:
+    def __init__(self, *, model: str, gate: EngineGate[EmbeddingEngine], queue: AdmissionBudget,
+                 long_input: LongInputPolicy, prompts: PromptTemplates | None,
+                 reads_cache: Callable[[], bool], fingerprint: Callable[[], Fingerprint],
+                 replica_id: str, hold_s: float, retry_after_s: float,
+                 recorder: metrics.Batched) -> None:
+        self.model = model
+        self._gate = gate
+        self.queue = queue
+        self._long_input = long_input
+        self._prompts = prompts
+        self._reads_cache = reads_cache
+        self.fingerprint = fingerprint
+        self._replica_id = replica_id
+        self._hold_s = hold_s
+        self._retry_after_s = retry_after_s
+        self._rec = recorder
+        self._tag = {"model": model}
+        self.inflight_sequences = 0
+        self.inflight_tokens = 0
+        self.last_progress = time.monotonic()
+        self.engine_failed = False
+        engine = gate.engine
+        assert engine is not None
+        self.use_engine(engine)
+
+    def use_engine(self, engine: EmbeddingEngine) -> None:
+        """Follow the engine the gate holds (a swap replaces it)."""
+        self.info: EngineInfo = engine.info
+        self.hf_tokenizer = engine.hf_tokenizer
+        self.preparer = InputPreparer(engine.info, engine.tokenize,
+                                      SpecialTokens.from_tokenizer(engine.hf_tokenizer),
+                                      self._long_input, self._prompts)
+
+    # -- one call ----------------------------------------------------------------------------
+    async def embed(self, call: EmbedCall) -> EmbedResult:
+        t0 = time.perf_counter()
+        prepared = await self._prepare(call)
+        pieces, n_tokens = prepared.pieces, prepared.piece_tokens
+        async with self.queue.admit(len(pieces), n_tokens):
+            self.inflight_sequences += len(pieces)
+            self.inflight_tokens += n_tokens
+            try:
+                out = await self._engine_call(pieces, call.normalize)
+            finally:
+                self.inflight_sequences -= len(pieces)
+                self.inflight_tokens -= n_tokens
+        vectors = self.preparer.finish(prepared, [e.vector for e in out],
+                                       dimensions=call.dimensions, normalize=call.normalize)
+        cached = sum(e.num_cached_tokens for e in out)
+        report = prepared.report()
+        self._record(n_tokens, cached, report, len(pieces), time.perf_counter() - t0)
+        return EmbedResult(np.stack(vectors).astype(np.float32, copy=False),
+                           prepared.input_tokens, cached, self._replica_id, self.fingerprint(),
+                           report)
+
+    async def _prepare(self, call: EmbedCall) -> PreparedCall:
+        def prepare() -> PreparedCall:
+            return self.preparer.prepare(call.inputs, policy=call.long_input,
+                                         prompt_name=call.prompt_name, task=call.task,
+                                         dimensions=call.dimensions)
+
+        texts = call.inputs and isinstance(call.inputs[0], str)
+        if texts and sum(len(t) for t in call.inputs) > THREAD_TOKENIZE_CHARS:  # type: ignore
+            return await asyncio.to_thread(prepare)
+        return prepare()
+
+    async def _engine_call(self, pieces: list[list[int]], normalize: bool) -> list[Embedding]:
+        """Admitted pieces straight into the engine. While the engine is being replaced the call
+        waits at the gate (up to the model's ``cold_start_hold_s``), then runs on the new one."""
+        async with self._gate.use(self._hold_s, self._retry_after_s) as engine:
+            skip = engine.info.prefix_caching and not self._reads_cache()
+            try:
+                out = await engine.embed(pieces, request_id=f"e-{uuid.uuid4().hex[:12]}",
+                                         skip_prefix_cache=skip, normalize=normalize)
+            except (EmbedfleetError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                # The engine-core process died (or hung up): the call is safe to retry
+                # elsewhere, and the next health check makes Serve replace this replica.
+                self.engine_failed = True
+                raise EngineUnavailable(f"engine of replica {self._replica_id} failed: "
+                                        f"{type(exc).__name__}", retry_after_s=1) from None
+        self.last_progress = time.monotonic()
+        return out
+
+    def _record(self, tokens: int, cached: int, report, pieces: int, seconds: float) -> None:
+        rec, tag = self._rec, self._tag
+        rec.inc("embedfleet_prompt_tokens_total", tokens, tag)
+        if cached:
+            rec.inc("embedfleet_prefix_cache_hit_tokens_total", cached, tag)
+        truncated = [r for r in report if r.truncated]
+        if truncated:
+            rec.inc("embedfleet_truncated_inputs_total", len(truncated), tag)
+            rec.inc("embedfleet_dropped_tokens_total", sum(r.dropped_tokens for r in truncated),
+                    tag)
+        chunks = sum(r.chunks for r in report if r.chunks > 1)
+        if chunks:
+            rec.inc("embedfleet_chunks_total", chunks, tag)
+        rec.observe("embedfleet_engine_batch_size", pieces, tag)
+        rec.observe("embedfleet_engine_latency_seconds", seconds, tag)

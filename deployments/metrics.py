@@ -63,11 +63,10 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("embedfleet_input_tokens_total", "counter",
                "Prompt tokens embedded (what `usage` reports).", ("model",)),
     MetricSpec("embedfleet_overload_rejections_total", "counter",
-               "Requests refused with 429 because a model's queue or budget was full.",
+               "Requests refused before any work: 429 when a model's queue or budget was full, "
+               "503 at once when it has no ready replica and none starting "
+               "(reason=no_ready_replica).",
                ("model", "reason")),
-    MetricSpec("embedfleet_unavailable_rejections_total", "counter",
-               "Requests refused with 503 at once: the model has no ready replica and none is "
-               "starting.", ("model", "reason")),
     # Engine replica: one per card.
     MetricSpec("embedfleet_engine_batch_size", "histogram",
                "Inputs per call into the engine replica.", ("model",), BATCH_SIZE_BUCKETS),

@@ -151,7 +151,11 @@ def test_a_model_with_no_replica_and_none_starting_answers_503_at_once(cluster):
     # The model's only replica dies while every free card is taken: Serve's replacement waits
     # for a card. Requests must get 503 + Retry-After with the reason, far sooner than
     # request_timeout_s (120 s), instead of waiting in Serve's queue.
-    wait_ready(cluster, AUTOSCALE, 1)
+    from tests.support.live_cluster import wait_for
+
+    # exactly one replica: load from an earlier test may have scaled it to 2 (downscale is 8 s)
+    wait_for(lambda: len(ready_replicas(cluster, AUTOSCALE)) == 1, 300,
+             f"{AUTOSCALE} back at one replica", every=2)
     ray_script(CARD_HOLDER, "take")
     try:
         ray_script(KILL_REPLICA, AUTOSCALE)
@@ -173,8 +177,10 @@ def test_a_model_with_no_replica_and_none_starting_answers_503_at_once(cluster):
             assert int(r.headers["Retry-After"]) >= 1
             err = r.json()["error"]
             assert err["type"] == "service_unavailable"
-            assert "none is starting" in err["message"] and "waiting for a card" in \
-                err["message"], err
+            # Why: Serve has not made the replacement yet, or it waits for a card.
+            assert "none is starting" in err["message"] and (
+                "waiting for a card" in err["message"]
+                or "no replica is running or starting" in err["message"]), err
         print(f"503 answered in {[round(t, 3) for t in timings]} s")
         assert max(timings) < 10, timings
         # Other models are untouched.

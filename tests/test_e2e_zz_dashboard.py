@@ -108,7 +108,7 @@ NEEDS_EVENT = {
     "Prefix cache": "ray_embedfleet_prefix_cache_enabled set in the last ~20 s (replicas set it "
                     "at start-up and when the canary switches caching off)",
     "Errors by status code": "a non-2xx answer (tests/test_e2e_errors.py; this file sends a 400)",
-    "429 rejections/s": "a 429 (the burst in tests/test_e2e_governor.py)",
+    "Rejections/s": "a 429 (the burst in tests/test_e2e_governor.py)",
     "Truncations": "a truncated input (tests/test_e2e_long_input.py; this file sends one)",
     "Chunks/s": "a chunked input (tests/test_e2e_long_input.py; this file sends one)",
     "Canary: lowest cosine": "a canary run (models with prefix caching, every 10 s)",

@@ -58,7 +58,7 @@ class RemoteCaller:
         return self._readiness.unservable(model) if self._always_up else None
 
     def _refuse(self, model: str, why: str) -> NotReady:
-        metrics.get("embedfleet_unavailable_rejections_total").inc(
+        metrics.get("embedfleet_overload_rejections_total").inc(
             1, tags={"model": model, "reason": "no_ready_replica"})
         return NotReady(f"model '{model}' has no ready replica and none is starting: {why}",
                         retry_after_s=self._router.retry_after_s)

@@ -162,7 +162,8 @@ SECTIONS: list[tuple[str, list[dict]]] = [
         _panel("timeseries", "Budget fill per card",
                "In flight / admission budget, the tighter of tokens and sequences.",
                [(q.BUDGET_FILL_RATIO, CARD)], unit="percentunit", min_=0, max_=1),
-        _panel("timeseries", "429 rejections/s", "Requests refused because a budget was full.",
+        _panel("timeseries", "Rejections/s", "Requests refused before any work: 429 when a "
+               "budget or queue was full; 503 (reason no_ready_replica) when nothing can serve.",
                [(f"sum by (model, reason) ({q.OVERLOAD_REJECTIONS_RATE}{{{MODEL}}})",
                  "{{model}} {{reason}}")], unit="reqps"),
         _panel("timeseries", "In-flight tokens vs budget", "Per card, as the replicas enforce it.",

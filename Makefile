@@ -63,7 +63,9 @@ down: $(STAMP)
 reference-sources: $(STAMP)
 	$(PY) -m tests.support.reference_sources
 
-test: setup bench-setup reference-sources
+# No bench-setup here: the suite's bench smoke runs the vllm, vllm-serve and embedfleet peers;
+# Infinity's venv is for `embedfleet bench` (make bench-setup).
+test: setup reference-sources
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -156,6 +156,7 @@ def test_a_model_with_no_replica_and_none_starting_answers_503_at_once(cluster):
     # exactly one replica: load from an earlier test may have scaled it to 2 (downscale is 8 s)
     wait_for(lambda: len(ready_replicas(cluster, AUTOSCALE)) == 1, 300,
              f"{AUTOSCALE} back at one replica", every=2)
+    before = {c["replica_id"] for c in ready_replicas(cluster, AUTOSCALE)}
     ray_script(CARD_HOLDER, "take")
     try:
         ray_script(KILL_REPLICA, AUTOSCALE)
@@ -189,7 +190,11 @@ def test_a_model_with_no_replica_and_none_starting_answers_503_at_once(cluster):
         assert ok.status_code == 200, ok.text
     finally:
         ray_script(CARD_HOLDER, "release")
-    wait_ready(cluster, AUTOSCALE, 1)  # the card is back: the replacement is placed and serves
+    # The card is back: the replacement is placed and serves. (Wait for the new replica itself:
+    # /v1/models lists a dead replica's last heartbeat until it is HEARTBEAT_TTL_S old.)
+    wait_for(lambda: {c["replica_id"] for c in ready_replicas(cluster, AUTOSCALE)} - before,
+             300, f"a new ready {AUTOSCALE} replica", every=2)
+    time.sleep(2)  # the router's readiness view refreshes every 0.5 s from a 1 s cache
     r = requests.post(f"{cluster}/v1/embeddings", json={"model": AUTOSCALE, "input": "back"},
                       timeout=120)
     assert r.status_code == 200, r.text

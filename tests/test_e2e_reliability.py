@@ -119,19 +119,28 @@ def engine_core_of(pid: int) -> psutil.Process:
 
 def test_killing_the_engine_process_gives_503_or_success_never_500_or_hang(cluster,
                                                                           cluster_status):
+    # A request to a single-replica model whose engine died is held until the replacement is
+    # ready, bounded by max(request_timeout_s, cold_start_hold_s) (request_path/remote.py): the
+    # client waits that bound plus a margin, and "never a hang" means an answer within it.
+    from embedfleet.deployments.config import load_config
+    from tests.conftest import E2E_CONFIG
+
+    cfg = load_config(E2E_CONFIG)
+    (model_cfg,) = [m for m in cfg.models if m.name == FAULTY_QWEN3]
+    bound_s = max(cfg.router.request_timeout_s, model_cfg.replicas.cold_start_hold_s)
     st = {m["model"]: m for m in cluster_status()["models"]}
     (card,) = st[FAULTY_QWEN3]["cards"]
     engine = engine_core_of(card["pid"])
     os.kill(engine.pid, signal.SIGKILL)
     codes: list[int] = []
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + bound_s + 60
     recovered = False
     while time.monotonic() < deadline:
         t0 = time.monotonic()
         r = requests.post(f"{cluster}/v1/embeddings", json={"model": FAULTY_QWEN3,
                                                             "input": "after the engine died"},
-                          timeout=150)
-        assert time.monotonic() - t0 < 150
+                          timeout=bound_s + 30)
+        assert time.monotonic() - t0 < bound_s + 15, "answered later than its bound"
         codes.append(r.status_code)
         assert r.status_code in (200, 503), r.text
         if r.status_code == 503:

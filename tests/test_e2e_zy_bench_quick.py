@@ -31,7 +31,13 @@ def test_bench_quick_runs_every_peer_and_writes_json_and_png(cluster, tmp_path):
     proc = run_cli("bench", "--quick", "--embedfleet-url", cluster, "--embedfleet-model", MINILM,
                    "--peers", ",".join(PEERS), "--workloads", ",".join(WORKLOADS),
                    "--out", str(tmp_path), timeout=1800, check=False)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    if proc.returncode != 0:  # say which peer or run failed, not only the log's tail
+        written = tmp_path / "report.json"
+        why = json.loads(written.read_text())["problems"] if written.exists() else "no report"
+        errors = ([r for r in json.loads(written.read_text())["runs"] if r["error"]]
+                  if written.exists() else [])
+        raise AssertionError(f"bench exited {proc.returncode}; problems: {why}; failed runs: "
+                             f"{errors}\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
     report = json.loads((tmp_path / "report.json").read_text())
     assert rpt.check_schema(report) == [] and report["ok"] is True, report.get("problems")
     assert {p: s["status"] for p, s in report["peers"].items()} == {p: "ok" for p in PEERS}

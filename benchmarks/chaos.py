@@ -165,11 +165,23 @@ def default_pause(cfg: Any) -> float:
     return pause_seconds(field("health_check_timeout_s"), field("health_check_period_s"))
 
 
+def client_timeout(cfg: Any) -> float:
+    """--request-timeout when not given: a client that waits as long as the cluster may take to
+    answer (a call held for a replacement engine is bounded by the larger of the router's
+    request_timeout_s and the model's cold_start_hold_s), so a timeout is the cluster's fault."""
+    if cfg is None:
+        return 60.0
+    return 30.0 + max(max(cfg.router.request_timeout_s, m.replicas.cold_start_hold_s)
+                      for m in cfg.models)
+
+
 # -- the run ----------------------------------------------------------------------------------
 async def run(opts: dict[str, Any]) -> dict[str, Any]:
     cfg = _load_config(opts["config"])
     if opts.get("pause_s") is None:
         opts["pause_s"] = default_pause(cfg)
+    if opts.get("request_timeout_s") is None:
+        opts["request_timeout_s"] = client_timeout(cfg)
     models = opts.get("models") or _served_models(opts["url"])
     cluster = Cluster(opts["config"], random.Random(opts["seed"] + 1), cfg)
     mem_start = await asyncio.to_thread(_safe_memory, cluster)
@@ -255,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: health_check_timeout_s + health_check_period_s)")
     p.add_argument("--burst", type=int, help="requests in flood-kill's burst "
                    f"(default: 1.5x the admission bound from --config, max {MAX_BURST})")
-    p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--request-timeout", type=float,
+                   help="client timeout in seconds (default: the longest a request may take by "
+                   "the --config, max(request_timeout_s, cold_start_hold_s) + 30, else 60)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report path (default benchmarks/results/chaos-<time>.json)")
     p.add_argument("--min-success-ratio", type=float,

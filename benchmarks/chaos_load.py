@@ -20,6 +20,7 @@ MAX_DURATION_S = 3600
 MAX_REQUESTS = 1_000_000
 MAX_CONCURRENCY = 256
 MAX_RPS = 1000
+FAILURE_BACKOFF_S = 1.0  # a closed-loop worker's pause after a failure (the router's Retry-After)
 
 
 # -- pure parts (unit-tested in tests/test_chaos_tool.py) ----------------------------------------
@@ -121,9 +122,11 @@ async def run_load(opts: dict[str, Any], models: list[str], tally: Tally,
     async with httpx.AsyncClient(base_url=opts["url"], timeout=opts["request_timeout_s"],
                                  limits=limits) as client:
 
-        async def one() -> None:  # the caller has counted it as sent
+        async def one() -> Sample:  # the caller has counted it as sent
             body, n = mixed_request(rng, models)
-            tally.samples.append(await send(client, body, n, tally.t0))
+            sample = await send(client, body, n, tally.t0)
+            tally.samples.append(sample)
+            return sample
 
         def more() -> bool:
             return time.monotonic() < deadline and tally.sent < opts["max_requests"]
@@ -132,7 +135,11 @@ async def run_load(opts: dict[str, Any], models: list[str], tally: Tally,
             async def worker() -> None:
                 while more():
                     tally.sent += 1
-                    await one()
+                    if (await one()).outcome != "ok":
+                        # As a real client does (honouring Retry-After, backing off from a
+                        # refused connection): a failure's count measures how long a fault
+                        # lasted, not how fast a loop can be refused.
+                        await asyncio.sleep(FAILURE_BACKOFF_S)
             await asyncio.gather(*(worker() for _ in range(opts["concurrency"])))
             return
         # Open loop at a fixed rate. The in-flight cap keeps a stalled cluster from piling up

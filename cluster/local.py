@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from embedfleet.deployments.options import HEAD_ENV_VARS
 from embedfleet.deployments.settings import settings
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -63,7 +64,7 @@ def start_head(cards: int, resource: str = "NPU", nodes: int = 1) -> str:
         print(f"joining the Ray head already running at {address}")
         return address
     per_node = cards // nodes
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **HEAD_ENV_VARS}
     named = [f"--node-name={local_node_name(0)}"] if nodes > 1 else []
     cmd = [RAY, "start", "--head", f"--port={s.ray_port}",
            f"--dashboard-port={s.dashboard_port}", "--dashboard-host=127.0.0.1",

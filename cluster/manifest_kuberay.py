@@ -21,6 +21,7 @@ from embedfleet.cluster.manifest_spec import (ASCEND_ENV, CLIENT_PORT, DASHBOARD
                                               worker_bounds)
 from embedfleet.cluster.render import serve_config
 from embedfleet.deployments.config import ConfigError, EmbedfleetConfig
+from embedfleet.deployments.options import HEAD_ENV_VARS
 
 
 def _ray_start_resources(cfg: EmbedfleetConfig, cards: int) -> str:
@@ -67,6 +68,7 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
                 "name": "ray-head",
                 "image": spec.image,
                 "resources": _sizes(spec.head_cpu, spec.head_memory),
+                "env": [{"name": k, "value": v} for k, v in HEAD_ENV_VARS.items()],
                 "ports": [
                     {"containerPort": HEAD_PORT, "name": "gcs-server"},
                     {"containerPort": DASHBOARD_PORT, "name": "dashboard"},

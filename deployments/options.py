@@ -17,6 +17,19 @@ GOVERNOR_NAME = "MemoryGovernor"
 RUNTIME_ENV_VARS = {
     "HF_HUB_OFFLINE": "1",  # weights come from local folders or packages, never a hub at run time
     "TOKENIZERS_PARALLELISM": "false",
+    # vLLM's import runs logging.config.dictConfig, which closes every handler already made in
+    # the process, Serve's replica log handler among them. A restarted Serve controller then
+    # fails to recover each engine replica (`is_allocated` reads that handler's file) and
+    # replaces them all: every model's requests wait out an engine cold start. vLLM's loggers
+    # still log, through the root logger Ray sets up.
+    "VLLM_CONFIGURE_LOGGING": "0",
+}
+
+# The Ray head's own environment (`ray start` here, the head container on KubeRay): Serve's
+# controller reads it. A dead proxy is replaced only after 3 failed health checks, 10 s apart by
+# default: 30 s with the HTTP port closed. 2 s apart makes it ~6 s; a check is one cheap call.
+HEAD_ENV_VARS = {
+    "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "2",
 }
 
 

@@ -28,6 +28,7 @@ from embedfleet.deployments.options import serve_queue_limits
 from ray.util.state.common import ActorState
 
 S = chaos.Sample
+ROOT = Path(__file__).resolve().parent.parent
 E2E = Path(__file__).resolve().parent / "configs" / "e2e-cpu.yaml"
 
 
@@ -302,6 +303,33 @@ def test_the_default_pause_outlasts_the_health_check_timeout():
     assert chaos.default_pause(None) == 40  # the schema's 30 s timeout + one 10 s period
     cfg = types.SimpleNamespace(health_check_timeout_s=5.0, health_check_period_s=2.0)
     assert chaos.default_pause(cfg) == 7.0 > cfg.health_check_timeout_s
+
+
+def test_the_default_client_timeout_waits_out_the_longest_answer_the_cluster_may_take():
+    assert chaos.client_timeout(None) == 60.0
+    cfg = parse_config(yaml.safe_load((ROOT / "tests" / "configs" / "e2e-cpu.yaml").read_text()
+                                      .replace("TINY_QWEN3", "/nonexistent")), "test")
+    bounds = [max(cfg.router.request_timeout_s, m.replicas.cold_start_hold_s) for m in cfg.models]
+    assert chaos.client_timeout(cfg) == max(bounds) + 30 > cfg.router.request_timeout_s
+
+
+@pytest.mark.parametrize("outcome, at_most", [("503", 6), ("connection_error", 6), ("ok", None)])
+def test_a_closed_loop_worker_backs_off_after_a_failure_only(monkeypatch, outcome, at_most):
+    from embedfleet.benchmarks import chaos_load
+
+    async def instant(client, body, n, t0):
+        await asyncio.sleep(0.001)
+        return S(0.0, body["model"], outcome, 0.001, outcome == "503")
+    monkeypatch.setattr(chaos_load, "send", instant)
+    monkeypatch.setattr(chaos_load, "FAILURE_BACKOFF_S", 0.1)
+    tally = chaos_load.Tally()
+    opts = {"seed": 0, "concurrency": 1, "rps": None, "url": "http://127.0.0.1:9",
+            "request_timeout_s": 1.0, "max_requests": 10_000}
+    asyncio.run(chaos_load.run_load(opts, ["m"], tally, time.monotonic() + 0.45))
+    if at_most is None:  # no failure, no pause: the loop runs as fast as answers come
+        assert len(tally.samples) > 50
+    else:  # ~0.45 s / 0.1 s pauses
+        assert 3 <= len(tally.samples) <= at_most, len(tally.samples)
 
 
 # -- what clients saw: per-model arithmetic and the verdict -------------------------------------

@@ -31,27 +31,51 @@ print(alive[0].name)
 """
 
 
+# Kills the Serve controller (Ray restarts it: it is detached with max_restarts) and, with
+# "list", prints the alive engine replicas' actor names, one per line.
+CONTROLLER = """
+import sys, ray
+from ray.util.state import list_actors
+ray.init(address="auto", namespace="serve", logging_level="ERROR", log_to_driver=False)
+alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+if sys.argv[1] == "list":
+    print("\\n".join(sorted(a.name for a in alive
+                             if a.class_name.startswith("ServeReplica:embedfleet:engine-"))))
+else:
+    ray.kill(ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve"), no_restart=False)
+"""
+
+
 # Takes every free card with one detached actor (another tenant's job, as far as Serve can tell),
-# or releases it: a replacement replica then cannot be placed.
+# and queues a second that asks for one more card, so the card a killed replica frees goes to
+# it (it has waited longest), not to Serve's replacement: "next" waits until it has it;
+# "release" frees them all.
 CARD_HOLDER = """
 import sys, ray
 ray.init(address="auto", namespace="embedfleet-tests", logging_level="ERROR", log_to_driver=False)
+
+@ray.remote(num_cpus=0)
+class CardHolder:
+    def ping(self):
+        return "held"
+
 if sys.argv[1] == "take":
     free = int(ray.available_resources().get("NPU", 0))
     if free:
-        @ray.remote(num_cpus=0)
-        class CardHolder:
-            def ping(self):
-                return "held"
         h = CardHolder.options(name="card-holder", lifetime="detached",
                                resources={"NPU": free}).remote()
         ray.get(h.ping.remote(), timeout=60)
+    CardHolder.options(name="card-holder-next", lifetime="detached",
+                       resources={"NPU": 1}).remote()
     print(free)
+elif sys.argv[1] == "next":
+    ray.get(ray.get_actor("card-holder-next").ping.remote(), timeout=60)
 else:
-    try:
-        ray.kill(ray.get_actor("card-holder"))
-    except ValueError:
-        pass
+    for name in ("card-holder", "card-holder-next"):
+        try:
+            ray.kill(ray.get_actor(name))
+        except ValueError:
+            pass
 """
 
 
@@ -169,6 +193,7 @@ def test_a_model_with_no_replica_and_none_starting_answers_503_at_once(cluster):
     ray_script(CARD_HOLDER, "take")
     try:
         ray_script(KILL_REPLICA, AUTOSCALE)
+        ray_script(CARD_HOLDER, "next")  # the freed card went to the other tenant
         first = None
         deadline = time.monotonic() + 90
         while first is None and time.monotonic() < deadline:
@@ -207,3 +232,31 @@ def test_a_model_with_no_replica_and_none_starting_answers_503_at_once(cluster):
     r = requests.post(f"{cluster}/v1/embeddings", json={"model": AUTOSCALE, "input": "back"},
                       timeout=120)
     assert r.status_code == 200, r.text
+
+
+def test_a_restarted_serve_controller_keeps_every_engine_replica_and_fails_no_request(cluster):
+    # The data plane (proxy, router, replicas) outlives the controller; the restarted controller
+    # must recover the running replicas, not replace them. (vLLM's logging set-up once closed
+    # Serve's replica log handler, and recovery failed on every engine: requests then waited out
+    # a cold start of every model; see tests/test_vllm_logging.py.)
+    wait_ready(cluster, MINILM, 2)
+    fixed = (f"#engine-{MINILM}#", f"#engine-{FAULTY_QWEN3}#")  # no autoscaling moves these
+
+    def replicas() -> list[str]:
+        return [n for n in ray_script(CONTROLLER, "list").splitlines()
+                if any(f in n for f in fixed)]
+
+    before = replicas()
+    assert len(before) == 3, before
+    codes: list[int] = []
+    ray_script(CONTROLLER, "kill")
+    t_end = time.monotonic() + 30
+    while time.monotonic() < t_end:
+        r = requests.post(f"{cluster}/v1/embeddings", json={"model": MINILM,
+                                                            "input": "while the controller restarts"},
+                          timeout=60)
+        codes.append(r.status_code)
+        time.sleep(0.5)
+    assert set(codes) == {200}, {c: codes.count(c) for c in set(codes)}
+    after = replicas()
+    assert after == before, f"replicas replaced after the controller restart: {before} -> {after}"

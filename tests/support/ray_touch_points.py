@@ -164,6 +164,13 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     # or both: replica, registry, governor) and supports async constructors (EngineReplica).
     T("serve/_private/constants.py", "HEALTH_CHECK_METHOD", value="check_health",
       used_by="EngineReplica/FleetRegistry/MemoryGovernor.check_health"),
+    # deployments/options.HEAD_ENV_VARS: the controller reads the proxy health-check period from
+    # the head's environment, and replaces a proxy after 3 failed checks.
+    T("serve/_private/constants.py", "PROXY_HEALTH_CHECK_PERIOD_S",
+      contains=("'RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S'",),
+      used_by="deployments/options.py HEAD_ENV_VARS -> cluster/local.py, manifest_kuberay.py"),
+    T("serve/_private/constants.py", "PROXY_HEALTH_CHECK_UNHEALTHY_THRESHOLD", value=3,
+      used_by="deployments/options.py HEAD_ENV_VARS (the ~6 s figure in its comment)"),
     T("serve/_private/replica.py", "", contains=("hasattr(self._callable, '__del__')",),
       used_by="EngineReplica.__del__, MemoryGovernor.__del__ (leave the registry, cancel tasks)"),
     T("serve/_private/replica.py", "",

@@ -1,0 +1,50 @@
+"""vLLM's import must not close handlers the process already has (Serve's replica log handler).
+
+Without ``VLLM_CONFIGURE_LOGGING=0`` vLLM runs ``logging.config.dictConfig`` (at import in 0.23, when
+the engine starts in 0.32), which closes
+every existing handler; Serve's ``MemoryHandler`` then has no target, and a restarted Serve
+controller cannot recover the engine replicas (``is_allocated`` reads the handler's file) and
+replaces them all. The replicas get the variable from the rendered runtime env.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from embedfleet.deployments.options import RUNTIME_ENV_VARS
+
+# What Serve's component logger leaves in a replica before user code imports vLLM.
+PROBE = """
+import logging, logging.handlers, tempfile
+target = logging.FileHandler(tempfile.mktemp())
+memory = logging.handlers.MemoryHandler(100, target=target)
+logging.getLogger("ray.serve").addHandler(memory)
+import vllm.logger  # vLLM 0.23 (the Ascend stack) configures logging here, at import
+try:  # vLLM 0.32 does it when AsyncLLM starts (v1/engine/async_llm.py), the same way
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging_if_needed
+    configure_logging_if_needed(LoggingConfig())
+except ImportError:
+    pass
+print("target-kept" if memory.target is not None else "target-closed")
+"""
+
+
+def _probe(extra_env: dict[str, str]) -> str:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CONFIGURE_LOGGING"}
+    done = subprocess.run([sys.executable, "-c", PROBE], env={**env, **extra_env},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_the_replicas_runtime_env_keeps_serves_log_handler_through_vllms_import():
+    assert _probe(dict(RUNTIME_ENV_VARS)) == "target-kept"
+
+
+def test_without_it_vllms_import_closes_the_handler():
+    # The failure the variable prevents is real in the vLLM installed here.
+    assert _probe({}) == "target-closed"

@@ -47,6 +47,17 @@ def card_actor_options(cfg: EmbedfleetConfig) -> dict[str, Any]:
     return {"num_cpus": num_cpus, "resources": {cfg.platform.card_resource: 1}}
 
 
+# Ray runs an async actor's calls up to its max_concurrency: 1000, unless Serve raises it to a
+# larger max_ongoing_requests. Serve's health checks and routing-stats calls take slots too, so a
+# replica holding max_concurrency requests answers no health check, and after
+# health_check_timeout_s Serve kills it with everything in flight: seen in the soak, a burst of
+# 1,024 held requests at the router gave 996 x 500. Every deployment's max_ongoing_requests stays
+# this far below Ray's default (Serve's ray_actor_options cannot raise max_concurrency).
+RAY_ASYNC_ACTOR_CONCURRENCY = 1000
+CONTROL_CALL_HEADROOM = 64
+MAX_ONGOING_REQUESTS = RAY_ASYNC_ACTOR_CONCURRENCY - CONTROL_CALL_HEADROOM
+
+
 def serve_queue_limits(m: ModelConfig) -> dict[str, int]:
     """Serve's two limits, derived from the replica's own queue — the one rule:
 
@@ -58,9 +69,12 @@ def serve_queue_limits(m: ModelConfig) -> dict[str, int]:
       when every replica has room — with ``admission.max_waiting`` here, 16 queries in flight got
       429 from an idle cluster) or while every replica is full. Beyond it, 429 + Retry-After;
       the owner queue's ``max_waiting`` still bounds what waits inside each replica.
+
+    Both are capped at ``MAX_ONGOING_REQUESTS`` (above), so a full replica still answers its
+    health checks; beyond the cap, calls wait in Serve's handle instead of in the replica.
     """
     ceiling = m.budget_ceiling
-    per_replica = ceiling.max_sequences + m.admission.max_waiting
+    per_replica = min(ceiling.max_sequences + m.admission.max_waiting, MAX_ONGOING_REQUESTS)
     return {"max_ongoing_requests": per_replica, "max_queued_requests": per_replica}
 
 
@@ -94,7 +108,7 @@ def router_deployment_options(cfg: EmbedfleetConfig) -> dict[str, Any]:
         "name": ROUTER_NAME,
         "num_replicas": 1,
         "ray_actor_options": {"num_cpus": 0},
-        "max_ongoing_requests": 1000,
+        "max_ongoing_requests": MAX_ONGOING_REQUESTS,
     }
 
 
@@ -105,4 +119,4 @@ def registry_deployment_options(cfg: EmbedfleetConfig) -> dict[str, Any]:
 def governor_deployment_options(cfg: EmbedfleetConfig) -> dict[str, Any]:
     """One replica, no card: it only queries Prometheus and hands out limits."""
     return {"name": GOVERNOR_NAME, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0},
-            "max_ongoing_requests": 1000}
+            "max_ongoing_requests": MAX_ONGOING_REQUESTS}

@@ -530,3 +530,26 @@ def test_image_requirements_name_the_pinned_cann():
     for name in ("ray-cluster-910b.yaml", "rayservice-910b.yaml", "README.md"):
         text = " ".join((EXAMPLES_DIR / name).read_text().replace("# ", "").split())
         assert wanted in text and "8.1.RC1" not in text, name
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "ascend-910b-qwen3-embedding-8b.yaml",
+                                  "cuda-qwen3-embedding-0.6b.yaml"])
+def test_no_deployment_can_fill_its_actor_past_health_checks(name):
+    # A replica holding Ray's async-actor concurrency (1000) in requests answers no health check
+    # and is killed with all it holds; every deployment keeps headroom below it, even a model
+    # whose budget + max_waiting is larger (the queue then waits in Serve's handle).
+    from ray._common.ray_constants import DEFAULT_MAX_CONCURRENCY_ASYNC
+
+    from embedfleet.deployments.options import CONTROL_CALL_HEADROOM
+
+    from embedfleet.deployments.config import config_to_data
+
+    cfg = load_config(CONFIG_DIR / name)
+    data = config_to_data(cfg)
+    data["models"][0].setdefault("admission", {})["max_waiting"] = 5000
+    big = parse_config(data, "test")
+    for c in (cfg, big):
+        for dep in serve_config(c)["applications"][0]["deployments"]:
+            ongoing = dep.get("max_ongoing_requests", 5)  # Serve's default
+            assert ongoing <= DEFAULT_MAX_CONCURRENCY_ASYNC - CONTROL_CALL_HEADROOM, (
+                name, dep["name"], ongoing)

@@ -169,6 +169,13 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     T("serve/_private/constants.py", "PROXY_HEALTH_CHECK_PERIOD_S",
       contains=("'RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S'",),
       used_by="deployments/options.py HEAD_ENV_VARS -> cluster/local.py, manifest_kuberay.py"),
+    # deployments/options.MAX_ONGOING_REQUESTS: an async actor runs this many calls at once, and
+    # Serve raises it only to a larger max_ongoing_requests (no headroom for health checks).
+    T("_common/ray_constants.py", "DEFAULT_MAX_CONCURRENCY_ASYNC", value=1000,
+      used_by="deployments/options.py RAY_ASYNC_ACTOR_CONCURRENCY"),
+    T("serve/_private/deployment_state.py", "",
+      contains=("> ray_constants.DEFAULT_MAX_CONCURRENCY_ASYNC",),
+      used_by="deployments/options.py MAX_ONGOING_REQUESTS (Serve's max_concurrency override)"),
     T("serve/_private/constants.py", "PROXY_HEALTH_CHECK_UNHEALTHY_THRESHOLD", value=3,
       used_by="deployments/options.py HEAD_ENV_VARS (the ~6 s figure in its comment)"),
     T("serve/_private/replica.py", "", contains=("hasattr(self._callable, '__del__')",),

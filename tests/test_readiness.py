@@ -97,3 +97,15 @@ def test_refresh_forever_keeps_the_last_view_through_a_failed_fetch():
     assert seen_before_fetch[0] is None
     assert seen_before_fetch[2].ready == 1  # the failed fetch in between kept the view
     assert v.starting_only("m")  # the third answer is the view now
+
+
+def test_a_replacement_needing_a_card_still_being_freed_counts_as_starting_at_first():
+    # An engine replaced after its death: the new actor waits for the card the old one (or a
+    # replica scaling down) is still giving back. Holding requests for it is right; refusing
+    # them with "waiting for a card" two seconds in was wrong (the soak's kill-engine 503s).
+    from embedfleet.deployments.control.placement import PLACEMENT_GRACE_S, blocked_replicas
+
+    assert blocked_replicas(1, free_cards=0, creating_for_s=2.0) == 0
+    assert blocked_replicas(1, free_cards=0, creating_for_s=PLACEMENT_GRACE_S) == 1
+    assert blocked_replicas(2, free_cards=1, creating_for_s=60.0) == 0  # a card is free
+    assert blocked_replicas(0, free_cards=0, creating_for_s=60.0) == 0

@@ -57,6 +57,18 @@ def waiting_reasons(app_name: str, resource: str, deployments: dict[str, str]) -
             for d, model in deployments.items() if pending.get(d)}
 
 
+# A replica being created is "waiting for a card" only after this long with none free: a
+# replacement usually needs the card its predecessor (or a replica scaling down) is still giving
+# back, and the free count shows it a moment later. Counted as starting meanwhile, so a request
+# is held for it instead of refused (seen in the soak: 503s 2 s into an engine replacement).
+PLACEMENT_GRACE_S = 10.0
+
+
+def blocked_replicas(creating: int, free_cards: float, creating_for_s: float) -> int:
+    """How many of ``creating`` replica actors wait for a card that will not come by itself."""
+    return creating if creating and free_cards < 1 and creating_for_s >= PLACEMENT_GRACE_S else 0
+
+
 # Ray actor states of a replica that exists or is being made (DEAD ones are gone for good:
 # Serve replaces them with a new actor).
 _LIVE_STATES = ("ALIVE", "PENDING_CREATION", "DEPENDENCIES_UNREADY", "RESTARTING")

@@ -19,8 +19,9 @@ from embedfleet.deployments.config import parse_config
 from embedfleet.deployments.contracts import (CanaryView, FleetStatus, HeartbeatReply,
                                               ModelReadiness, Override, ReplicaDescription)
 from embedfleet.deployments.control.durable import DurableStore
-from embedfleet.deployments.control.placement import (ReplicaActors, card_counts,
-                                                     waiting_message, waiting_reasons)
+from embedfleet.deployments.control.placement import (ReplicaActors, blocked_replicas,
+                                                     card_counts, waiting_message,
+                                                     waiting_reasons)
 from embedfleet.deployments.control.status import fleet_status
 from embedfleet.deployments.options import engine_deployment_name
 
@@ -48,6 +49,7 @@ class FleetRegistry:
             self._store.items(OVERRIDES, Override) if self._store is not None else {})
         self._readiness: dict[str, ModelReadiness] = {}
         self._readiness_lock = asyncio.Lock()
+        self._creating_since: dict[str, float] = {}  # deployment -> first seen creating a replica
         if self._overrides:
             logger.warning("prefix-cache overrides reloaded from the GCS: %s",
                            sorted(self._overrides))
@@ -120,7 +122,8 @@ class FleetRegistry:
                       ) -> dict[str, ModelReadiness]:
         # A heartbeat says "ready" for up to ttl_s after its replica died; only replicas whose
         # actor is still ALIVE count. ALIVE but not ready is an engine loading (or swapping);
-        # an actor still being created is "starting" if a card is free, else it waits for one.
+        # an actor still being created is "starting" if a card is free, or will be soon
+        # (placement.PLACEMENT_GRACE_S), else it waits for one.
         assert self.cfg is not None
         actors = ReplicaActors(self.cfg.app_name)
         resource = self.cfg.platform.card_resource
@@ -133,7 +136,10 @@ class FleetRegistry:
             ready = sum(1 for r in snapshot.get(m.name, [])
                         if r.ready and (r.node_id, r.pid) in alive)
             creating = actors.creating.get(d, 0)
-            blocked = creating if free < 1 else 0
+            since = self._creating_since.setdefault(d, now) if creating else now
+            if not creating:
+                self._creating_since.pop(d, None)
+            blocked = blocked_replicas(creating, free, now - since)
             out[m.name] = ModelReadiness(
                 ready=ready, starting=len(alive) - ready + creating - blocked,
                 waiting=waiting_message(blocked, resource, free, total), checked_at=now)

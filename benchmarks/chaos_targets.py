@@ -134,8 +134,10 @@ def burst_size(max_sequences: int, max_waiting: int, replicas: int,
     The bound is what the model can hold at once, in one-text calls (one sequence each): every
     replica's budget plus its own queue (Serve's max_ongoing_requests, deployments/options.py
     ``serve_queue_limits``) plus Serve's queue in front of them (max_queued_requests, the same
-    number)."""
-    per_replica = max_sequences + max_waiting
+    number), both capped at ``MAX_ONGOING_REQUESTS``."""
+    from embedfleet.deployments.options import MAX_ONGOING_REQUESTS
+
+    per_replica = min(max_sequences + max_waiting, MAX_ONGOING_REQUESTS)
     bound = max(replicas, 1) * per_replica + per_replica
     return min(cap, math.ceil(bound * BURST_OVERFLOW)), bound
 

@@ -16,6 +16,7 @@ from embedfleet.cluster.manifest_spec import (ASCEND_DRIVER_MOUNTS, ASCEND_ENV,
                                               AscendClusterSpec, cards_per_node, cluster_spec,
                                               require_ascend, require_given, resources_json)
 from embedfleet.deployments.config import ConfigError, EmbedfleetConfig
+from embedfleet.deployments.options import HEAD_ENV_VARS
 
 
 def cluster_launcher_config(cfg: EmbedfleetConfig,
@@ -64,7 +65,9 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
         "setup_commands": ["cd ~/embedfleet && make setup EXTRAS=ascend"],
         "head_start_ray_commands": [
             "ray stop",
-            f"ray start --head --port={HEAD_PORT} --dashboard-host=0.0.0.0 "
+            # Serve's controller reads these from the head's environment (options.HEAD_ENV_VARS).
+            " ".join(f"{k}={v}" for k, v in HEAD_ENV_VARS.items())
+            + f" ray start --head --port={HEAD_PORT} --dashboard-host=0.0.0.0 "
             f"--metrics-export-port={METRICS_PORT} --resources='{resources_json(cfg, 0)}' "
             "--autoscaling-config=~/ray_bootstrap_config.yaml",
         ],

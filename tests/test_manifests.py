@@ -137,6 +137,8 @@ def test_launcher_head_has_no_cards_and_workers_have_eight(launcher):
     assert json.loads(_flag(worker, "resources")) == {"NPU": 8}
     assert "source /usr/local/Ascend/ascend-toolkit/set_env.sh" in worker  # before ray start
     assert worker.index("set_env.sh") < worker.index("ray start")
+    # Serve's controller runs on the head and reads the proxy health-check period from its env
+    assert head.startswith("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S=2 ray start ")
 
 
 def test_launcher_mounts_cards_and_sets_ascend_env_on_workers_only(launcher):

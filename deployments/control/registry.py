@@ -136,9 +136,11 @@ class FleetRegistry:
             ready = sum(1 for r in snapshot.get(m.name, [])
                         if r.ready and (r.node_id, r.pid) in alive)
             creating = actors.creating.get(d, 0)
-            since = self._creating_since.setdefault(d, now) if creating else now
-            if not creating:
+            if creating:
+                since = self._creating_since.setdefault(d, now)
+            else:
                 self._creating_since.pop(d, None)
+                since = now
             blocked = blocked_replicas(creating, free, now - since)
             out[m.name] = ModelReadiness(
                 ready=ready, starting=len(alive) - ready + creating - blocked,

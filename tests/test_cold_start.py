@@ -86,3 +86,13 @@ def test_refuse_is_not_consulted_when_the_call_answers():
     assert run(await_with_hold(answer_after(0.05), 5, 0, replica_ready_after(0),
                                lambda: calls.append(1) or "nope")) == "ok"
     assert calls == []
+
+
+def test_a_call_sent_cold_whose_replica_came_up_just_before_its_timeout_is_answered():
+    # Sent while no replica was ready; the replica is ready at 0.25 s, the answer at 0.45 s:
+    # past request_timeout_s (0.3 s) with a replica ready at the timeout. The fresh engine gets
+    # the usual time; a call sent while a replica was ready does not (the test above).
+    assert run(await_with_hold(answer_after(0.45), 0.3, 10, replica_ready_after(0.25),
+                               sent_cold=True)) == "ok"
+    with pytest.raises(HoldExpired):
+        run(await_with_hold(answer_after(0.45), 0.3, 10, replica_ready_after(0.25)))

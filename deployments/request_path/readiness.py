@@ -72,9 +72,12 @@ class ReadinessView:
         r = self.get(model)
         return r is not None and r.ready == 0 and r.starting > 0
 
-    async def has_ready(self, model: str) -> bool:
+    def has_ready_now(self, model: str) -> bool:
         r = self.get(model)
         return r is not None and r.ready > 0
+
+    async def has_ready(self, model: str) -> bool:
+        return self.has_ready_now(model)
 
     def waiting(self, model: str) -> str:
         r = self.get(model)

@@ -74,11 +74,12 @@ class RemoteCaller:
             hold_s = self._hold_s(call.model)
             timeout = max(0.1, min(self._router.request_timeout_s,
                                    deadline - time.monotonic()))
+            sent_cold = hold_s > 0 and not self._readiness.has_ready_now(call.model)
             response = self._handle.embed.remote(call)
             try:
                 return await await_with_hold(response, timeout, hold_s,
                                              lambda: self._readiness.has_ready(call.model),
-                                             lambda: self._unservable(call.model))
+                                             lambda: self._unservable(call.model), sent_cold)
             except Refused as err:
                 response.cancel()
                 raise self._refuse(call.model, str(err)) from None

@@ -34,6 +34,7 @@ and are network-bound (~230 wheels' metadata read by range requests: measured 12
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -637,8 +638,18 @@ class Resolve:
 
 def timed_run(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=RESOLVE_TIMEOUT, check=False)  # conflicts are on stdout
+    for attempt in (1, 2):
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=RESOLVE_TIMEOUT,
+                                  check=False)  # conflicts are on stdout
+            break
+        except OSError as exc:
+            # Seen once here: the spawn itself failed with EFAULT ("Bad address") while the
+            # session cluster loaded both cores; that says nothing about the resolve, so try once
+            # more. Any other error, or a second failure, is the test's.
+            if exc.errno != errno.EFAULT or attempt == 2:
+                raise
     return proc, time.monotonic() - start
 
 

@@ -198,8 +198,9 @@ class RouterConfig(_Strict):
     )
     retry_after_s: PositiveInt = Field(default=1, description="Retry-After on 429/503.")
     proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
-        default="EveryNode", description="Where Serve runs HTTP proxies. Local multi-node "
-        "clusters (nodes > 1 on one machine) need HeadOnly: every proxy binds the same port.")
+        default="EveryNode", description="Where Serve runs HTTP proxies. EveryNode keeps the "
+        "HTTP port open when one proxy dies; on a local multi-node cluster (nodes > 1 on one "
+        "machine) the proxies share the port, as Serve binds it with SO_REUSEPORT.")
     api_keys_file: str | None = Field(
         default=None, description="File of bearer API keys, one per line; none = open API.")
     api_keys_env: str | None = Field(
@@ -232,11 +233,6 @@ class EmbedfleetConfig(_Strict):
             raise ValueError(f"model names must be unique; repeated: {dupes}")
         if self.cards % self.nodes:
             raise ValueError(f"cards={self.cards} cannot be split evenly over nodes={self.nodes}")
-        if self.nodes > 1 and self.router.proxy_location != "HeadOnly":
-            raise ValueError(
-                f"nodes={self.nodes} start on one machine, where every node's Serve proxy would "
-                f"bind port {self.router.port}; set router.proxy_location: HeadOnly "
-                f"(got {self.router.proxy_location!r})")
         for i, m in enumerate(self.models):
             block = m.engine.block_size or self.platform.default_block_size
             where = f"models[{i}] ({m.name!r})"

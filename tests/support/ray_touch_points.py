@@ -160,6 +160,13 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="deployments/options.py autoscaling_config"),
     T("serve/config.py", "ProxyLocation", ("EveryNode", "HeadOnly"),
       used_by="deployments/config.py router.proxy_location -> cluster/render.py"),
+    # EveryNode on a local multi-node cluster (every node on one machine): the proxies can all
+    # bind router.port only because Serve sets SO_REUSEPORT, on unless this variable says "0".
+    T("serve/_private/proxy.py", "SOCKET_REUSE_PORT_ENABLED",
+      contains=("'SERVE_SOCKET_REUSE_PORT_ENABLED'", "'1'"),
+      used_by="tests/configs/e2e-cpu.yaml proxy_location: EveryNode on 2 local nodes"),
+    T("serve/_private/http_util.py", "start_asgi_http_server", ("enable_so_reuseport",),
+      used_by="the proxy binds router.port with SO_REUSEPORT"),
     # Serve calls the user class's check_health and __del__ (every embedfleet deployment has one
     # or both: replica, registry, governor) and supports async constructors (EngineReplica).
     T("serve/_private/constants.py", "HEALTH_CHECK_METHOD", value="check_health",

@@ -103,12 +103,13 @@ __all__ = [
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULTS = {"duration": 60.0, "concurrency": 4, "rps": None, "fault_every": 30.0,
-            "faults": "none", "max_requests": 10_000}
+            "faults": "none", "max_requests": 10_000, "connection_retries": 0}
 SOAK = {"duration": 600.0, "concurrency": 4, "fault_every": 60.0,
         "faults": ",".join(FAULT_KINDS), "max_requests": 200_000}
 # An engine left stopped for long is a fault of its own making; past this, Serve's health
 # checks have long since replaced the replica, so a longer pause shows nothing new.
 MAX_PAUSE_S = 600
+MAX_CONNECTION_RETRIES = 5
 
 
 # -- options (unit-tested in tests/test_chaos_tool.py) -------------------------------------------
@@ -144,7 +145,9 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
               (not opts["faults"] or opts["fault_every"] > 0, "--fault-every > 0"),
               (args.pause is None or 0 < args.pause <= MAX_PAUSE_S,
                f"--pause in (0, {MAX_PAUSE_S}]"),
-              (args.burst is None or 0 < args.burst <= MAX_BURST, f"--burst in 1..{MAX_BURST}")]
+              (args.burst is None or 0 < args.burst <= MAX_BURST, f"--burst in 1..{MAX_BURST}"),
+              (0 <= opts["connection_retries"] <= MAX_CONNECTION_RETRIES,
+               f"--connection-retries in 0..{MAX_CONNECTION_RETRIES}")]
     for ok, rule in checks:
         if not ok:
             raise ValueError(f"out of bounds: {rule}")
@@ -270,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float,
                    help="client timeout in seconds (default: the longest a request may take by "
                    "the --config, max(request_timeout_s, cold_start_hold_s) + 30, else 60)")
+    p.add_argument("--connection-retries", type=int,
+                   help="resend a request whose connection broke (refused, reset, cut) up to N "
+                   "times, 0.5 s doubling, as the OpenAI SDK does by default with N=2 (default 0: "
+                   "every broken connection is a failure); the report counts the retried")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report path (default benchmarks/results/chaos-<time>.json)")
     p.add_argument("--min-success-ratio", type=float,

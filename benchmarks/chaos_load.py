@@ -77,26 +77,44 @@ class Tally:
 
 
 # -- sending it ------------------------------------------------------------------------------
-async def send(client: Any, body: dict[str, Any], n_inputs: int, t0: float) -> Sample:
-    """POST one request; what the client saw, as a Sample (never raises for HTTP trouble)."""
+def retry_pause_s(attempt: int) -> float:
+    """The OpenAI Python SDK's pause before retry ``attempt`` (1, 2, ...): 0.5 s doubling, at
+    most 8 s (its jitter left out, so a seeded run repeats)."""
+    return min(0.5 * 2 ** (attempt - 1), 8.0)
+
+
+async def send(client: Any, body: dict[str, Any], n_inputs: int, t0: float,
+               connection_retries: int = 0) -> Sample:
+    """POST one request; what the client saw, as a Sample (never raises for HTTP trouble).
+
+    ``connection_retries``: resend after a broken connection (refused, reset, cut mid-answer)
+    up to this many times, as the OpenAI SDK does by default (2): a killed proxy takes its
+    connections with it, and the inputs are idempotent. Timeouts and HTTP statuses are never
+    retried here; the Sample counts the retries, so the report shows what they hid."""
     import httpx
 
     sent = time.monotonic()
     retry_after = False
-    try:
-        resp = await client.post("/v1/embeddings", json=body)
-        retry_after = resp.headers.get("retry-after") is not None
+    retries = 0
+    while True:
         try:
-            payload = resp.json()
-        except ValueError:
-            payload = None
-        outcome = classify(resp.status_code, payload, n_inputs)
-    except httpx.TimeoutException:
-        outcome = "timeout"
-    except httpx.TransportError:
-        outcome = "connection_error"
-    return Sample(round(sent - t0, 3), body.get("model", "_all"), outcome,
-                  time.monotonic() - sent, retry_after)
+            resp = await client.post("/v1/embeddings", json=body)
+            retry_after = resp.headers.get("retry-after") is not None
+            try:
+                payload = resp.json()
+            except ValueError:
+                payload = None
+            outcome = classify(resp.status_code, payload, n_inputs)
+        except httpx.TimeoutException:
+            outcome = "timeout"
+        except httpx.TransportError:
+            outcome = "connection_error"
+            if retries < connection_retries:
+                retries += 1
+                await asyncio.sleep(retry_pause_s(retries))
+                continue
+        return Sample(round(sent - t0, 3), body.get("model", "_all"), outcome,
+                      time.monotonic() - sent, retry_after, retries)
 
 
 async def send_burst(url: str, model: str, size: int, timeout_s: float, t0: float,
@@ -124,7 +142,7 @@ async def run_load(opts: dict[str, Any], models: list[str], tally: Tally,
 
         async def one() -> Sample:  # the caller has counted it as sent
             body, n = mixed_request(rng, models)
-            sample = await send(client, body, n, tally.t0)
+            sample = await send(client, body, n, tally.t0, opts["connection_retries"])
             tally.samples.append(sample)
             return sample
 

@@ -26,6 +26,7 @@ class Sample:
     outcome: str       # 'ok', 'bad_200', an HTTP status ('503'), 'timeout', 'connection_error'
     latency_s: float
     retry_after: bool = False  # the response carried a Retry-After header
+    retries: int = 0   # connection-level retries before this outcome (chaos_load.send)
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -75,6 +76,10 @@ def stats(samples: Iterable[Sample]) -> dict[str, Any]:
         "p50_ms": ms((s.latency_s for s in group), 50),
         "p99_ms": ms((s.latency_s for s in group), 99),
         "failed_p99_ms": ms((s.latency_s for s in failed), 99),  # fail-fast: 503 within 1 s
+        # What --connection-retries hid: requests whose first connection broke (refused, reset,
+        # cut mid-answer) and that a retry then answered.
+        "connection_retried": sum(s.retries > 0 for s in group),
+        "ok_after_connection_retry": sum(s.retries > 0 and s.outcome == "ok" for s in group),
     }
 
 

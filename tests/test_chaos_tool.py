@@ -132,7 +132,7 @@ def _args(**kw) -> argparse.Namespace:
     base = dict(url="http://127.0.0.1:8000", duration=None, concurrency=None, rps=None,
                 max_requests=None, fault_every=None, faults=None, soak=False, seed=0,
                 prometheus_down=20.0, config=None, request_timeout=60.0, pause=None,
-                burst=None)
+                burst=None, connection_retries=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -160,7 +160,9 @@ def test_soak_preset_and_flags_override_it():
                                 dict(faults="kill-engine", fault_every=0.0),
                                 dict(faults="explode"), dict(url="http://10.1.2.3:8000"),
                                 dict(pause=0.0), dict(pause=chaos.MAX_PAUSE_S + 1),
-                                dict(burst=0), dict(burst=chaos.MAX_BURST + 1)])
+                                dict(burst=0), dict(burst=chaos.MAX_BURST + 1),
+                                dict(connection_retries=-1),
+                                dict(connection_retries=chaos.MAX_CONNECTION_RETRIES + 1)])
 def test_out_of_bounds_options_are_refused(kw):
     with pytest.raises(ValueError):
         chaos.resolve_options(_args(**kw))
@@ -318,14 +320,14 @@ def test_the_default_client_timeout_waits_out_the_longest_answer_the_cluster_may
 def test_a_closed_loop_worker_backs_off_after_a_failure_only(monkeypatch, outcome, at_most):
     from embedfleet.benchmarks import chaos_load
 
-    async def instant(client, body, n, t0):
+    async def instant(client, body, n, t0, connection_retries=0):
         await asyncio.sleep(0.001)
         return S(0.0, body["model"], outcome, 0.001, outcome == "503")
     monkeypatch.setattr(chaos_load, "send", instant)
     monkeypatch.setattr(chaos_load, "FAILURE_BACKOFF_S", 0.1)
     tally = chaos_load.Tally()
     opts = {"seed": 0, "concurrency": 1, "rps": None, "url": "http://127.0.0.1:9",
-            "request_timeout_s": 1.0, "max_requests": 10_000}
+            "request_timeout_s": 1.0, "max_requests": 10_000, "connection_retries": 0}
     asyncio.run(chaos_load.run_load(opts, ["m"], tally, time.monotonic() + 0.45))
     if at_most is None:  # no failure, no pause: the loop runs as fast as answers come
         assert len(tally.samples) > 50
@@ -353,6 +355,45 @@ def test_client_records_retry_after_and_classifies_what_came_back():
     got = [(s.model, s.outcome, s.retry_after) for s in asyncio.run(go())]
     assert got == [("good", "ok", False), ("busy", "429", True), ("bare", "503", False),
                    ("broken", "500", False), ("slow", "timeout", False)]
+
+
+def test_connection_retries_resend_broken_connections_only_and_are_counted(monkeypatch):
+    from embedfleet.benchmarks import chaos_load
+
+    # the SDK's schedule: 0.5 s doubling, capped at 8 s
+    assert [chaos_load.retry_pause_s(a) for a in (1, 2, 3, 9)] == [0.5, 1.0, 2.0, 8.0]
+    monkeypatch.setattr(chaos_load, "retry_pause_s", lambda attempt: 0.0)
+    calls: dict[str, int] = {}
+
+    def reply(request):
+        model = json.loads(request.content)["model"]
+        calls[model] = calls.get(model, 0) + 1
+        if model == "flaky" and calls[model] == 1:  # the first connection is cut
+            raise httpx.RemoteProtocolError("peer closed", request=request)
+        if model == "dead":
+            raise httpx.ConnectError("refused", request=request)
+        if model == "slow":
+            raise httpx.ReadTimeout("slow", request=request)
+        if model == "busy":
+            return httpx.Response(503, headers={"Retry-After": "1"}, json={})
+        return httpx.Response(200, json={"data": [{}]})
+
+    async def go(retries):
+        calls.clear()
+        async with httpx.AsyncClient(transport=httpx.MockTransport(reply),
+                                     base_url="http://t") as client:
+            return [await send(client, {"model": m, "input": "x"}, 1, 0.0, retries)
+                    for m in ("flaky", "dead", "slow", "busy")], dict(calls)
+    got, n = asyncio.run(go(2))
+    assert [(s.outcome, s.retries) for s in got] == [("ok", 1), ("connection_error", 2),
+                                                      ("timeout", 0), ("503", 0)]
+    assert n == {"flaky": 2, "dead": 3, "slow": 1, "busy": 1}  # timeouts, statuses: never resent
+    got, _ = asyncio.run(go(0))
+    assert [(s.outcome, s.retries) for s in got][:2] == [("connection_error", 0),
+                                                         ("connection_error", 0)]
+    st = chaos.by_model(asyncio.run(go(2))[0])
+    assert st["flaky"]["connection_retried"] == st["flaky"]["ok_after_connection_retry"] == 1
+    assert st["dead"]["connection_retried"] == 1 and st["dead"]["ok_after_connection_retry"] == 0
 
 
 def _samples(model: str, *outcomes: tuple[str, bool], t_s: float = 0.0) -> list:
@@ -392,7 +433,8 @@ def test_empty_groups_are_vacuously_clean():
     assert chaos.stats([]) == {
         "requests": 0, "successes": 0, "success_pct": None, "statuses": {}, "timeouts": 0,
         "connection_errors": 0, "every_failure_503_or_429_with_retry_after": True,
-        "other_failures": {}, "p50_ms": None, "p99_ms": None, "failed_p99_ms": None}
+        "other_failures": {}, "p50_ms": None, "p99_ms": None, "failed_p99_ms": None,
+        "connection_retried": 0, "ok_after_connection_retry": 0}
 
 
 def _proc(pid, role, rss):

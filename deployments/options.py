@@ -59,6 +59,17 @@ CONTROL_CALL_HEADROOM = 64
 MAX_ONGOING_REQUESTS = RAY_ASYNC_ACTOR_CONCURRENCY - CONTROL_CALL_HEADROOM
 
 
+def router_model_share(models: int) -> int:
+    """Requests one model may hold in the router at once; beyond it, 429 + Retry-After.
+
+    The router is one replica with ``MAX_ONGOING_REQUESTS`` calls for every model, and it holds a
+    call for as long as the model takes, a cold start included. Seen in the soak: 1,024 calls to
+    a scale-to-zero model whose replica was killed held every router slot for ~100 s, and the
+    other models' requests waited behind them at the proxy. With more than one model, one model
+    may take 3/4 of the router; the rest stays for the others."""
+    return MAX_ONGOING_REQUESTS if models <= 1 else (3 * MAX_ONGOING_REQUESTS) // 4
+
+
 def serve_queue_limits(m: ModelConfig) -> dict[str, int]:
     """Serve's two limits, derived from the replica's own queue — the one rule:
 

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embedfleet.deployments import metrics
 from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig
 from embedfleet.deployments.contracts import EmbedCall, EmbedResult, InputReport, merged_headers
-from embedfleet.deployments.errors import ModelNotFound, TooManyInputs
+from embedfleet.deployments.errors import ModelNotFound, Overloaded, TooManyInputs
+from embedfleet.deployments.options import router_model_share
 from embedfleet.deployments.request_path.long_input import LongInputPolicy
 
 logger = logging.getLogger("embedfleet.pipeline")
@@ -74,6 +76,8 @@ class EmbedPipeline:
         self.cfg = cfg
         self._callers = callers
         self._models = {m.name: m for m in cfg.models}
+        self._share = router_model_share(len(callers))
+        self._inflight = dict.fromkeys(callers, 0)
 
     @property
     def models(self) -> list[str]:
@@ -100,6 +104,19 @@ class EmbedPipeline:
 
     async def run(self, req: EmbedRequest, request_id: str) -> Embedded:
         m = self.check(req)
+        if self._inflight[req.model] >= self._share:
+            metrics.get("embedfleet_overload_rejections_total").inc(
+                1, tags={"model": req.model, "reason": "router_share"})
+            wait = self.cfg.router.retry_after_s
+            raise Overloaded(f"model '{req.model}' already has {self._share} requests in the "
+                             f"router, its share; retry after {wait}s", retry_after_s=wait)
+        self._inflight[req.model] += 1
+        try:
+            return await self._run(m, req, request_id)
+        finally:
+            self._inflight[req.model] -= 1
+
+    async def _run(self, m: ModelConfig, req: EmbedRequest, request_id: str) -> Embedded:
         caller = self._callers[req.model]
         policy = request_policy(m.long_input, req)
         slices = [req.inputs[i:i + SLICE_INPUTS] for i in range(0, len(req.inputs), SLICE_INPUTS)]

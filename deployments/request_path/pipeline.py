@@ -3,9 +3,8 @@ it, slice it over the model's replicas, call them, merge.
 
 Adapters (``api/openai.py``, ``api/tei.py``) only translate their wire shapes to an
 ``EmbedRequest`` and the ``Embedded`` result back, so the same bad input gets the same error on
-both. Each model is reached through a ``Caller``: a Serve handle to its replicas (with the
-bounded hold and the retry of a call whose replica died), or, when the ingress is itself the
-model's replica, the replica's own request path in-process (no hop).
+both. Each model is reached through a ``Caller``: a Serve handle to its replicas, with the
+bounded hold and the retry of a call whose replica died (``request_path/remote.py``).
 """
 
 from __future__ import annotations

@@ -197,6 +197,11 @@ class RouterConfig(_Strict):
         default=120, description="Bound on one request's time inside the cluster."
     )
     retry_after_s: PositiveInt = Field(default=1, description="Retry-After on 429/503.")
+    max_model_share: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.75, description="With several models, the share of the router's concurrent "
+        "requests one model may hold; past it, 429 + Retry-After. Keeps a flood held for one "
+        "model (a cold start, a replaced replica) from stalling the others; 1 = no limit (the "
+        "flooded model's later requests then wait instead of getting 429).")
     proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
         default="EveryNode", description="Where Serve runs HTTP proxies. EveryNode keeps the "
         "HTTP port open when one proxy dies; on a local multi-node cluster (nodes > 1 on one "

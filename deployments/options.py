@@ -59,15 +59,17 @@ CONTROL_CALL_HEADROOM = 64
 MAX_ONGOING_REQUESTS = RAY_ASYNC_ACTOR_CONCURRENCY - CONTROL_CALL_HEADROOM
 
 
-def router_model_share(models: int) -> int:
+def router_model_share(models: int, share: float) -> int:
     """Requests one model may hold in the router at once; beyond it, 429 + Retry-After.
 
     The router is one replica with ``MAX_ONGOING_REQUESTS`` calls for every model, and it holds a
     call for as long as the model takes, a cold start included. Seen in the soak: 1,024 calls to
     a scale-to-zero model whose replica was killed held every router slot for ~100 s, and the
     other models' requests waited behind them at the proxy. With more than one model, one model
-    may take 3/4 of the router; the rest stays for the others."""
-    return MAX_ONGOING_REQUESTS if models <= 1 else (3 * MAX_ONGOING_REQUESTS) // 4
+    may take ``share`` (``router.max_model_share``) of the router; the rest stays for the others."""
+    if models <= 1 or share >= 1:
+        return MAX_ONGOING_REQUESTS
+    return max(1, int(share * MAX_ONGOING_REQUESTS))
 
 
 def serve_queue_limits(m: ModelConfig) -> dict[str, int]:

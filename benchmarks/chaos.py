@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connection-retries", type=int,
                    help="resend a request whose connection broke (refused, reset, cut) up to N "
                    "times, 0.5 s doubling, as the OpenAI SDK does by default with N=2 (default 0: "
-                   "every broken connection is a failure); the report counts the retried")
+                   "every broken connection is a failure); the steady load only, not flood-kill's "
+                   "burst; the report counts the retried")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report path (default benchmarks/results/chaos-<time>.json)")
     p.add_argument("--min-success-ratio", type=float,

@@ -202,6 +202,10 @@ class RouterConfig(_Strict):
         "requests one model may hold; past it, 429 + Retry-After. Keeps a flood held for one "
         "model (a cold start, a replaced replica) from stalling the others; 1 = no limit (the "
         "flooded model's later requests then wait instead of getting 429).")
+    replicas: Annotated[int, Field(ge=1, le=16)] = Field(
+        default=2, description="Router replicas. Each holds up to 936 calls and its own "
+        "max_model_share of them, so with 2 a flood of one model (1,024 calls, the chaos tool's "
+        "largest burst) stays under the share and the other models keep their slots.")
     proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
         default="EveryNode", description="Where Serve runs HTTP proxies. EveryNode keeps the "
         "HTTP port open when one proxy dies; on a local multi-node cluster (nodes > 1 on one "

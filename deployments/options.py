@@ -62,8 +62,8 @@ MAX_ONGOING_REQUESTS = RAY_ASYNC_ACTOR_CONCURRENCY - CONTROL_CALL_HEADROOM
 def router_model_share(models: int, share: float) -> int:
     """Requests one model may hold in the router at once; beyond it, 429 + Retry-After.
 
-    The router is one replica with ``MAX_ONGOING_REQUESTS`` calls for every model, and it holds a
-    call for as long as the model takes, a cold start included. Seen in the soak: 1,024 calls to
+    Each router replica has ``MAX_ONGOING_REQUESTS`` calls for every model, and it holds a call
+    for as long as the model takes, a cold start included. Seen in the soak: 1,024 calls to
     a scale-to-zero model whose replica was killed held every router slot for ~100 s, and the
     other models' requests waited behind them at the proxy. With more than one model, one model
     may take ``share`` (``router.max_model_share``) of the router; the rest stays for the others."""
@@ -120,7 +120,7 @@ def engine_deployment_options(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str
 def router_deployment_options(cfg: EmbedfleetConfig) -> dict[str, Any]:
     return {
         "name": ROUTER_NAME,
-        "num_replicas": 1,
+        "num_replicas": cfg.router.replicas,
         "ray_actor_options": {"num_cpus": 0},
         "max_ongoing_requests": MAX_ONGOING_REQUESTS,
     }

@@ -61,7 +61,7 @@ def test_sustained_5x_overload_gives_429s_right_answers_and_bounded_memory(clust
     router_cls = "ServeReplica:embedfleet:Router"
     replica_cls = f"ServeReplica:embedfleet:engine-{MINILM}"
     pids = serve_pids((router_cls, replica_cls))
-    assert len(pids[router_cls]) == 1 and len(pids[replica_cls]) == 2, pids
+    assert len(pids[router_cls]) == 2 and len(pids[replica_cls]) == 2, pids  # router.replicas: 2
     watched = {"router": [(p, False) for p in pids[router_cls]],
                "replica": [(p, True) for p in pids[replica_cls]]}
 

@@ -109,3 +109,22 @@ def test_a_replacement_needing_a_card_still_being_freed_counts_as_starting_at_fi
     assert blocked_replicas(1, free_cards=0, creating_for_s=PLACEMENT_GRACE_S) == 1
     assert blocked_replicas(2, free_cards=1, creating_for_s=60.0) == 0  # a card is free
     assert blocked_replicas(0, free_cards=0, creating_for_s=60.0) == 0
+
+
+def test_a_replacement_waiting_for_a_card_another_model_scaled_up_into_is_still_coming():
+    # The soak's kill-engine window: tiny-qwen3's card went to minilm-autoscale scaling 1 -> 2;
+    # the replacement waited for autoscale to scale back down. Held, not refused at the grace mark.
+    from embedfleet.deployments.control.placement import (
+        PLACEMENT_GRACE_S, blocked_replicas, reclaimable_cards)
+
+    alive = {"engine-a": 2, "engine-auto": 2, "engine-zero": 1, "engine-q": 0}
+    mins = {"engine-a": 2, "engine-auto": 1, "engine-zero": 0, "engine-q": 1}
+    assert reclaimable_cards(alive, mins, but="engine-q") == 2  # auto's 2nd, zero's only one
+    assert blocked_replicas(1, free_cards=0, creating_for_s=60.0, reclaimable_cards=2) == 0
+    # every other model at its minimum: nothing will give a card back, so it is blocked
+    at_min = {"engine-a": 2, "engine-auto": 1, "engine-zero": 0, "engine-q": 0}
+    assert reclaimable_cards(at_min, mins, but="engine-q") == 0
+    assert blocked_replicas(1, free_cards=0, creating_for_s=PLACEMENT_GRACE_S,
+                            reclaimable_cards=0) == 1
+    # a model's own extra replicas do not count for itself
+    assert reclaimable_cards({"engine-q": 3}, {"engine-q": 1}, but="engine-q") == 0

@@ -64,9 +64,23 @@ def waiting_reasons(app_name: str, resource: str, deployments: dict[str, str]) -
 PLACEMENT_GRACE_S = 10.0
 
 
-def blocked_replicas(creating: int, free_cards: float, creating_for_s: float) -> int:
-    """How many of ``creating`` replica actors wait for a card that will not come by itself."""
-    return creating if creating and free_cards < 1 and creating_for_s >= PLACEMENT_GRACE_S else 0
+def blocked_replicas(creating: int, free_cards: float, creating_for_s: float,
+                     reclaimable_cards: int = 0) -> int:
+    """How many of ``creating`` replica actors wait for a card that will not come by itself.
+
+    ``reclaimable_cards``: cards other models hold above their ``min_replicas``. Their autoscaler
+    gives them back when their load drops, so a replica waiting for one is still coming. Seen in
+    the soak: a killed engine's card went to another model scaling up; its replacement waited
+    ~25 s for that model to scale back down, and the calls held for it were refused with 503 at
+    the grace mark although the card came back 10 s later."""
+    if not creating or free_cards >= 1 or reclaimable_cards >= 1:
+        return 0
+    return creating if creating_for_s >= PLACEMENT_GRACE_S else 0
+
+
+def reclaimable_cards(alive: dict[str, int], min_replicas: dict[str, int], but: str) -> int:
+    """Cards held by replicas above their deployment's ``min_replicas``, other than ``but``'s."""
+    return sum(max(0, n - min_replicas.get(d, 0)) for d, n in alive.items() if d != but)
 
 
 # Ray actor states of a replica that exists or is being made (DEAD ones are gone for good:

@@ -20,8 +20,8 @@ from embedfleet.deployments.contracts import (CanaryView, FleetStatus, Heartbeat
                                               ModelReadiness, Override, ReplicaDescription)
 from embedfleet.deployments.control.durable import DurableStore
 from embedfleet.deployments.control.placement import (ReplicaActors, blocked_replicas,
-                                                     card_counts, waiting_message,
-                                                     waiting_reasons)
+                                                     card_counts, reclaimable_cards,
+                                                     waiting_message, waiting_reasons)
 from embedfleet.deployments.control.status import fleet_status
 from embedfleet.deployments.options import engine_deployment_name
 
@@ -130,6 +130,8 @@ class FleetRegistry:
         free, total = card_counts(resource)
         now = time.time()
         out = {}
+        counts = {d: len(a) for d, a in actors.alive.items()}
+        mins = {engine_deployment_name(m.name): m.replicas.min_replicas for m in self.cfg.models}
         for m in self.cfg.models:
             d = engine_deployment_name(m.name)
             alive = actors.alive.get(d, set())
@@ -141,7 +143,8 @@ class FleetRegistry:
             else:
                 self._creating_since.pop(d, None)
                 since = now
-            blocked = blocked_replicas(creating, free, now - since)
+            blocked = blocked_replicas(creating, free, now - since,
+                                       reclaimable_cards(counts, mins, but=d))
             out[m.name] = ModelReadiness(
                 ready=ready, starting=len(alive) - ready + creating - blocked,
                 waiting=waiting_message(blocked, resource, free, total), checked_at=now)

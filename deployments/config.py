@@ -119,6 +119,23 @@ class AdmissionConfig(_Strict):
     queue_timeout_s: PositiveFloat = Field(
         default=30, description="How long a call may wait for budget before it gets 429.")
     max_waiting: PositiveInt = Field(default=1024, description="Calls queued per replica.")
+    bulk_max_waiting: PositiveInt | None = Field(
+        default=None, description="Of max_waiting, the most bulk-lane calls that may queue (None "
+        "= half); the rest is kept for interactive calls. Past it, bulk gets 429.")
+    bulk_max_inflight_share: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.75, description="Share of the budget (sequences and tokens) bulk may hold in "
+        "flight, so an interactive call arriving during a bulk flood starts at once.")
+    bulk_min_share: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.25, description="While both lanes wait, the least share of admitted tokens "
+        "bulk gets: a steady interactive stream never starves it.")
+
+    @model_validator(mode="after")
+    def _bulk_within_queue(self) -> "AdmissionConfig":
+        if self.bulk_max_waiting is not None and self.bulk_max_waiting >= self.max_waiting:
+            raise ValueError(f"admission.bulk_max_waiting ({self.bulk_max_waiting}) must be "
+                             f"below admission.max_waiting ({self.max_waiting}), so interactive "
+                             "calls always have room to queue")
+        return self
 
 
 class MonitoringConfig(_Strict):

@@ -128,6 +128,10 @@ class BudgetView(_Model):
     queue_timeout_s: float
     mean_hold_s: float | None
     admitted_total: int
+    admitted_bulk_total: int = 0
+    inflight_bulk_sequences: int = 0
+    inflight_bulk_tokens: int = 0
+    waiting_bulk: int = 0
     oversize_total: int
     cancelled_total: int
     rejected: dict[str, int]

@@ -109,6 +109,11 @@ class Unauthorized(EmbedfleetError):
 
 
 # -- capacity: retry later -------------------------------------------------------------------
+class LaneNotAllowed(EmbedfleetError):
+    """The API key is limited to another lane (router.api_keys_file ``KEY lane=bulk``)."""
+    status, type, code = 403, "permission_error", "lane_not_allowed"
+
+
 class Overloaded(EmbedfleetError):
     status, type, code = 429, "rate_limit_error", "overloaded"
 

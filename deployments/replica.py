@@ -107,6 +107,9 @@ class EngineReplica:
         queue = AdmissionBudget(
             ceiling.max_sequences, ceiling.max_tokens, max_waiting=m.admission.max_waiting,
             queue_timeout_s=m.admission.queue_timeout_s,
+            bulk_max_waiting=m.admission.bulk_max_waiting,
+            bulk_max_inflight_share=m.admission.bulk_max_inflight_share,
+            bulk_min_share=m.admission.bulk_min_share,
             on_reject=lambda why: self.recorder.inc("embedfleet_overload_rejections_total", 1,
                                                     {"model": model_name, "reason": why}))
         self.prefix = PrefixCacheController(

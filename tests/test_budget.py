@@ -260,13 +260,19 @@ class CheckedBudget(AdmissionBudget):
 
     violations: list[str]
 
-    def _take(self, n_seqs, n_tokens, waited_s):
-        adm = super()._take(n_seqs, n_tokens, waited_s)
+    def _take(self, n_seqs, n_tokens, lane, contended):
+        adm = super()._take(n_seqs, n_tokens, lane, contended)
         seqs, toks = self._inflight_seqs, self._inflight_tokens
         within = seqs <= self._max_seqs and toks <= self._max_tokens
         alone = (seqs, toks) == (n_seqs, n_tokens)
         if not (within or alone):
             self.violations.append(f"{seqs}/{toks} > {self.limits} granting {n_seqs}/{n_tokens}")
+        share = self._bulk_inflight_share
+        bulk_within = (self._bulk_seqs <= share * self._max_seqs
+                       and self._bulk_tokens <= share * self._max_tokens)
+        if lane == "bulk" and not (bulk_within or alone):
+            self.violations.append(f"bulk {self._bulk_seqs}/{self._bulk_tokens} over its share of "
+                                   f"{self.limits} granting {n_seqs}/{n_tokens}")
         return adm
 
 
@@ -281,8 +287,9 @@ def test_stress_random_sizes_limit_changes_and_cancellations():
         async def client(i: int) -> None:
             seqs = rng.randint(1, 8)
             tokens = rng.choice([rng.randint(1, 600), rng.randint(1, 600), 3000])  # some oversize
+            lane = rng.choice(["interactive", "interactive", "bulk"])
             await asyncio.sleep(rng.random() * 0.05)
-            async with b.admit(seqs, tokens):
+            async with b.admit(seqs, tokens, lane=lane):
                 snap = b.snapshot()
                 peak[0] = max(peak[0], snap["inflight_sequences"])
                 peak[1] = max(peak[1], snap["inflight_tokens"])

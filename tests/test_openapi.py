@@ -185,8 +185,8 @@ def test_input_documents_all_four_wire_shapes(doc):
 
 
 @pytest.mark.parametrize("path, method, statuses", [
-    ("/v1/embeddings", "post", {200, 400, 401, 404, 413, 415, 422, 429, 503}),
-    ("/embed", "post", {200, 400, 401, 404, 413, 415, 422, 429, 503}),
+    ("/v1/embeddings", "post", {200, 400, 401, 403, 404, 413, 415, 422, 429, 503}),
+    ("/embed", "post", {200, 400, 401, 403, 404, 413, 415, 422, 429, 503}),
     ("/tokenize", "post", {200, 400, 401, 404, 413, 415, 422, 429, 503}),
     ("/v1/models", "get", {200, 401, 503}),
     ("/health", "get", {200}),

@@ -5,6 +5,10 @@ config (comma-separated), read once when the router starts. With no keys configu
 open. With keys, every route but ``/health`` needs ``Authorization: Bearer <key>``; keys are
 compared in constant time (``hmac.compare_digest``) against every configured key, so timing says
 nothing about which key or how much of it matched.
+
+A key in the file may be limited to one priority lane (``sk-indexer lane=bulk``): its requests
+go to that lane by default, and asking for the other one is refused with 403. The middleware
+puts the matched key's lane, if any, in the request's scope state (``LANE_LIMIT``).
 """
 
 from __future__ import annotations
@@ -15,37 +19,66 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from embedfleet.deployments.contracts import Lane
 from embedfleet.deployments.errors import Unauthorized, error_response
 
 OPEN_PATHS = frozenset({"/health"})
+LANE_LIMIT = "embedfleet_lane_limit"  # scope["state"] key: the lane the matched key is limited to
+_LANES: tuple[Lane, ...] = ("interactive", "bulk")
+
+
+def _key_lines(keys_file: str) -> list[tuple[str, Lane | None]]:
+    """(key, lane limit) per line of the keys file: ``KEY`` or ``KEY lane=bulk``."""
+    out: list[tuple[str, Lane | None]] = []
+    for n, line in enumerate(Path(keys_file).read_text().splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        lane = None
+        for opt in words[1:]:
+            name, _, value = opt.partition("=")
+            if name != "lane" or value not in _LANES:
+                raise ValueError(f"{keys_file}:{n}: expected 'KEY' or 'KEY lane=interactive|bulk',"
+                                 f" got option {opt!r}")
+            lane = value
+        out.append((words[0], lane))
+    return out
+
+
+def load_key_lanes(keys_file: str | None) -> dict[bytes, Lane]:
+    """The keys limited to one lane, from the keys file."""
+    if not keys_file:
+        return {}
+    return {k.encode(): lane for k, lane in _key_lines(keys_file) if lane is not None}
 
 
 def load_api_keys(keys_file: str | None, keys_env: str | None) -> tuple[bytes, ...]:
-    keys: list[str] = []
-    if keys_file:
-        for line in Path(keys_file).read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line:
-                keys.append(line)
+    keys: list[str] = [k for k, _ in _key_lines(keys_file)] if keys_file else []
     if keys_env and os.environ.get(keys_env):
         keys += [k.strip() for k in os.environ[keys_env].split(",") if k.strip()]
     return tuple(k.encode() for k in keys)
 
 
 def key_matches(presented: bytes, keys: tuple[bytes, ...]) -> bool:
+    return matched_key(presented, keys) is not None
+
+
+def matched_key(presented: bytes, keys: tuple[bytes, ...]) -> bytes | None:
     # Compare against every key, always: no early exit that would leak which one matched.
-    ok = False
+    found = None
     for k in keys:
-        ok |= hmac.compare_digest(presented, k)
-    return ok
+        if hmac.compare_digest(presented, k):
+            found = k
+    return found
 
 
 class ApiKeyMiddleware:
     """ASGI middleware; ``keys_provider`` is read per request (the router sets keys at start)."""
 
-    def __init__(self, app: ASGIApp, keys_provider) -> None:
+    def __init__(self, app: ASGIApp, keys_provider, lanes_provider=dict) -> None:
         self.app = app
         self.keys_provider = keys_provider
+        self.lanes_provider = lanes_provider
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         keys = self.keys_provider()
@@ -54,9 +87,13 @@ class ApiKeyMiddleware:
             return
         header = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not token or not key_matches(token.strip(), keys):
+        key = matched_key(token.strip(), keys) if scheme.lower() == b"bearer" and token else None
+        if key is None:
             reason = "missing" if not header else "invalid"
             err = Unauthorized(f"{reason} API key: send 'Authorization: Bearer <key>'")
             await error_response(err)(scope, receive, send)
             return
+        lane = self.lanes_provider().get(key)
+        if lane is not None:
+            scope.setdefault("state", {})[LANE_LIMIT] = lane
         await self.app(scope, receive, send)

@@ -16,7 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from embedfleet.deployments.contracts import InputReport
+from embedfleet.deployments.contracts import InputReport, Lane
 from embedfleet.deployments.errors import RequestValidation
 from embedfleet.deployments.request_path.pipeline import EmbedRequest
 
@@ -109,6 +109,10 @@ class EmbeddingRequest(BaseModel):
     prompt_name: str | None = Field(
         default=None, description="Instruction template of the model to apply (e.g. 'query').")
     task: str | None = Field(default=None, description="Fills {task} in the template.")
+    lane: Lane | None = Field(
+        default=None, description="Priority lane: interactive (the default) is served ahead of "
+        "bulk; bulk (corpus indexing) gets a guaranteed minimum share and 429 when its queue is full. "
+        "Also the X-Embedfleet-Lane header.")
 
     @field_validator("input", mode="before")
     @classmethod
@@ -218,8 +222,8 @@ def embedding_response(vectors: np.ndarray | list[np.ndarray], *, model: str,
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def to_pipeline(req: EmbeddingRequest) -> EmbedRequest:
+def to_pipeline(req: EmbeddingRequest, lane: Lane = "interactive") -> EmbedRequest:
     return EmbedRequest(model=req.model, inputs=req.input, param="input",
                         dimensions=req.dimensions, long_input_mode=req.long_input,
                         truncation_direction=req.truncation_direction,
-                        prompt_name=req.prompt_name, task=req.task)
+                        prompt_name=req.prompt_name, task=req.task, lane=lane)

@@ -25,6 +25,7 @@ from embedfleet.deployments.errors import (BodyTooLarge, EmbedfleetError, Engine
                                            InputTooLong, InvalidJSON, InvalidParameterValue,
                                            InvalidTokenId, ModelNotFound, NotReady, Overloaded,
                                            RequestValidation, TooManyInputs, Unauthorized,
+                                           LaneNotAllowed,
                                            UnsupportedMediaType, UnsupportedParameter)
 
 
@@ -102,7 +103,7 @@ class NotReadyBody(ErrorBody, Readiness):
 # A 500 (errors.InternalError) is a bug, so it is never documented: a fuzzer must flag it.
 AUTH = (Unauthorized,)  # only when the app has API keys (api/auth.py); /health is always open
 BODY = (InvalidJSON, BodyTooLarge, UnsupportedMediaType, RequestValidation)  # read + parse
-EMBED = (ModelNotFound, TooManyInputs, UnsupportedParameter, InvalidParameterValue,
+EMBED = (LaneNotAllowed, ModelNotFound, TooManyInputs, UnsupportedParameter, InvalidParameterValue,
          InputTooLong, Overloaded, NotReady, EngineUnavailable)  # the pipeline, every API
 ROUTE_ERRORS: dict[str, tuple[type[EmbedfleetError], ...]] = {
     "/v1/embeddings": AUTH + BODY + EMBED + (InvalidTokenId,),  # token-id input: OpenAI only

@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from embedfleet.deployments import metrics
 from embedfleet.deployments.api import openapi
-from embedfleet.deployments.api.auth import ApiKeyMiddleware, load_api_keys
+from embedfleet.deployments.api.auth import ApiKeyMiddleware, load_api_keys, load_key_lanes
 from embedfleet.deployments.api.http import install_error_handlers
 from embedfleet.deployments.api.routes import ApiRoutes
 from embedfleet.deployments.config import parse_config
@@ -56,8 +56,9 @@ def new_api() -> FastAPI:
     """A FastAPI app with embedfleet's error handling and per-app API keys
     (``app.state.api_keys``, empty = open)."""
     app = FastAPI(title=TITLE, version="0.1.0", redirect_slashes=False, description=DESCRIPTION)
-    app.state.api_keys = ()
-    app.add_middleware(ApiKeyMiddleware, keys_provider=lambda: app.state.api_keys)
+    app.state.api_keys, app.state.key_lanes = (), {}
+    app.add_middleware(ApiKeyMiddleware, keys_provider=lambda: app.state.api_keys,
+                       lanes_provider=lambda: app.state.key_lanes)
     install_error_handlers(app)
     return app
 
@@ -77,6 +78,7 @@ def router_deployment(app: FastAPI | None = None) -> type:
             cfg = parse_config(config, "router args")
             app.state.api_keys = load_api_keys(cfg.router.api_keys_file,
                                                cfg.router.api_keys_env)
+            app.state.key_lanes = load_key_lanes(cfg.router.api_keys_file)
             logger.info("router up; API keys %s", f"required ({len(app.state.api_keys)})"
                         if app.state.api_keys else "not configured (open API)")
             self.fleet = FleetView(registry)

@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from embedfleet.deployments import metrics
 from embedfleet.deployments.api.http import json_response, read_json_body
+from embedfleet.deployments.api.lanes import request_lane
 from embedfleet.deployments.api.openai import (embedding_response, parse_embedding_request,
                                                to_pipeline)
 from embedfleet.deployments.api.tei import (parse_tei_embed_request, parse_tei_tokenize_request,
@@ -81,7 +82,8 @@ class ApiRoutes:
             req = parse_embedding_request(
                 await read_json_body(request, self.cfg.router.max_body_bytes))
             seen.append(req.model)
-            out = await self.pipeline.run(to_pipeline(req), request_id)
+            out = await self.pipeline.run(to_pipeline(req, request_lane(request, req.lane)),
+                                          request_id)
             self._served(req.model, len(out.vectors), out.prompt_tokens)
             body = embedding_response(out.vectors, model=req.model,
                                       prompt_tokens=out.prompt_tokens,
@@ -101,7 +103,8 @@ class ApiRoutes:
                 await read_json_body(request, self.cfg.router.max_body_bytes))
             model = req.model or self._default_model
             seen.append(model)
-            out = await self.pipeline.run(tei_to_pipeline(req, model), request_id)
+            out = await self.pipeline.run(
+                tei_to_pipeline(req, model, request_lane(request, req.lane)), request_id)
             self._served(model, len(out.vectors), out.prompt_tokens)
             return json_response(tei_embed_response(out.vectors), raw=True,
                                  headers={"x-request-id": request_id, **out.headers})

@@ -39,6 +39,7 @@ from pydantic import (BaseModel, ConfigDict, PositiveInt, RootModel, WithJsonSch
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict  # pydantic documents only this TypedDict before 3.12
 
+from embedfleet.deployments.contracts import Lane
 from embedfleet.deployments.request_path.long_input import TruncationDirection
 from embedfleet.deployments.api.openai import parse_body
 from embedfleet.deployments.request_path.pipeline import EmbedRequest
@@ -100,6 +101,8 @@ class TeiEmbedRequest(BaseModel):
     prompt_name: str | None = None
     model: str | None = None
     """embedfleet extension: which served model; None = the default model."""
+    lane: Lane | None = None
+    """embedfleet extension: the priority lane (as on /v1/embeddings); None = interactive."""
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -127,7 +130,8 @@ class TeiTokenizeRequest(BaseModel):
         return normalize_tei_inputs(v)
 
 
-def tei_to_pipeline(req: TeiEmbedRequest, model: str) -> EmbedRequest:
+def tei_to_pipeline(req: TeiEmbedRequest, model: str,
+                    lane: Lane = "interactive") -> EmbedRequest:
     """TEI's ``truncate`` (true: truncate, false: reject, absent: the model's policy) and
     ``truncation_direction`` as the pipeline's long-input overrides."""
     mode = {True: "truncate", False: "reject", None: None}[req.truncate]
@@ -136,7 +140,7 @@ def tei_to_pipeline(req: TeiEmbedRequest, model: str) -> EmbedRequest:
     return EmbedRequest(model=model, inputs=req.inputs, param="inputs",
                         dimensions=req.dimensions, long_input_mode=mode,
                         truncation_direction=direction, prompt_name=req.prompt_name,
-                        normalize=req.normalize)
+                        normalize=req.normalize, lane=lane)
 
 
 def parse_tei_embed_request(data: Any) -> TeiEmbedRequest:

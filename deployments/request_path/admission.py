@@ -6,10 +6,20 @@ replica admits work against a budget the memory governor can lower and raise at 
 
 Rules, and why:
 
-* **Strict FIFO.** A request waits behind everything that arrived before it, even when it would
-  fit right now. Otherwise a stream of small requests could overtake a large one forever (TEI's
-  batching queue makes the same choice). The cost is head-of-line blocking, bounded by the queue
-  timeout.
+* **FIFO within a lane.** A request waits behind everything of its lane that arrived before it,
+  even when it would fit right now. Otherwise a stream of small requests could overtake a large
+  one forever (TEI's batching queue makes the same choice). The cost is head-of-line blocking,
+  bounded by the queue timeout.
+* **Two lanes: interactive ahead of bulk.** An interactive call overtakes every waiting bulk call,
+  with two bounds that keep both lanes honest:
+  - bulk holds at most ``bulk_max_inflight_share`` of the budget (sequences and tokens), so an
+    interactive call arriving during a bulk flood finds room at once instead of waiting for a
+    bulk call to finish;
+  - while both lanes wait, bulk gets at least ``bulk_min_share`` of the tokens admitted (a
+    deficit count, reset whenever a lane's queue empties), so a steady interactive stream never
+    starves it;
+  - at most ``bulk_max_waiting`` bulk calls queue, so bulk never takes the waiting slots an
+    interactive call needs; past it, or past its wait bound, a bulk call gets 429.
 * **Oversize runs alone.** A request larger than the whole budget (more sequences or tokens than
   the limits) is admitted once nothing else is in flight, and nothing is admitted beside it. A
   budget the governor cut low must slow big inputs down, never reject them forever.
@@ -44,12 +54,15 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from embedfleet.deployments.contracts import Lane
 from embedfleet.deployments.errors import Overloaded
 
 #: Reasons passed to ``on_reject`` (and shown in ``snapshot()["rejected"]``); bounded label values
 #: for ``embedfleet_overload_rejections_total{reason}``.
 REJECT_QUEUE_FULL = "budget_queue_full"
 REJECT_QUEUE_TIMEOUT = "budget_queue_timeout"
+REJECT_BULK_QUEUE_FULL = "bulk_queue_full"
+LANES: tuple[Lane, ...] = ("interactive", "bulk")
 
 # Weight of the newest hold time in the EWMA: reacts within ~5 completions, ignores one outlier.
 _HOLD_EWMA_ALPHA = 0.2
@@ -72,40 +85,56 @@ class _Waiter:
     seqs: int
     tokens: int
     future: asyncio.Future[None]
+    lane: Lane = "interactive"
     queued: bool = True
     admission: Admission | None = None
 
 
 class AdmissionBudget:
-    """Sequences and tokens in flight on one card, admitted FIFO.
+    """Sequences and tokens in flight on one card, admitted FIFO per lane, interactive first.
 
-    ``async with budget.admit(n_seqs, n_tokens, timeout_s): ...`` holds the budget for the body.
+    ``async with budget.admit(n_seqs, n_tokens, timeout_s, lane=...): ...`` holds the budget for
+    the body.
     """
 
     def __init__(self, max_sequences: int, max_tokens: int, *, max_waiting: int = 1024,
                  queue_timeout_s: float = 30.0, max_retry_after_s: float = 60.0,
+                 bulk_max_inflight_share: float = 0.75, bulk_min_share: float = 0.25,
+                 bulk_max_waiting: int | None = None,
                  on_reject: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        if not (0 < bulk_max_inflight_share <= 1 and 0 <= bulk_min_share < 1):
+            raise ValueError(f"bulk shares out of range: inflight {bulk_max_inflight_share}, "
+                             f"min {bulk_min_share}")
         self._max_seqs = 0
         self._max_tokens = 0
         self._check_and_set(max_sequences, max_tokens)
         self._max_waiting = max_waiting
+        self._bulk_max_waiting = max_waiting // 2 if bulk_max_waiting is None else bulk_max_waiting
+        self._bulk_inflight_share = bulk_max_inflight_share
+        self._bulk_min_share = bulk_min_share
         self._queue_timeout_s = queue_timeout_s
         self._max_retry_after_s = max_retry_after_s
         self._on_reject = on_reject
         self._clock = clock
-        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._lanes: dict[Lane, collections.deque[_Waiter]] = {
+            lane: collections.deque() for lane in LANES}
         self._waiting_seqs = 0
         self._waiting_tokens = 0
         self._inflight_seqs = 0
         self._inflight_tokens = 0
+        self._bulk_seqs = 0     # the bulk lane's part of the in-flight counts
+        self._bulk_tokens = 0
+        # Tokens admitted per lane while both lanes had waiters (bulk_min_share's deficit count).
+        self._contended = {lane: 0 for lane in LANES}
         self._hold_ewma_s: float | None = None
-        self._admitted = 0
+        self._admitted = {lane: 0 for lane in LANES}
         self._oversize = 0
         self._cancelled = 0
-        self._rejected = {REJECT_QUEUE_FULL: 0, REJECT_QUEUE_TIMEOUT: 0}
+        self._rejected = {REJECT_QUEUE_FULL: 0, REJECT_QUEUE_TIMEOUT: 0,
+                          REJECT_BULK_QUEUE_FULL: 0}
 
     # -- limits ----------------------------------------------------------------------------------
     def _check_and_set(self, max_sequences: int, max_tokens: int) -> None:
@@ -124,38 +153,48 @@ class AdmissionBudget:
         """(max_sequences, max_tokens)"""
         return self._max_seqs, self._max_tokens
 
+    @property
+    def _waiters(self) -> list[_Waiter]:
+        """Every waiter, interactive first: the order the budget serves them in."""
+        return [*self._lanes["interactive"], *self._lanes["bulk"]]
+
     # -- admission -------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def admit(self, n_seqs: int, n_tokens: int,
-                    timeout_s: float | None = None) -> AsyncIterator[Admission]:
+    async def admit(self, n_seqs: int, n_tokens: int, timeout_s: float | None = None,
+                    lane: Lane = "interactive") -> AsyncIterator[Admission]:
         """Hold ``n_seqs`` sequences and ``n_tokens`` tokens of the budget for the ``with`` body.
 
-        Waits FIFO for at most ``timeout_s`` (None: the budget's ``queue_timeout_s``; 0: do not
-        queue). Raises ``Overloaded`` when the queue is full or the wait times out.
+        Waits in its lane for at most ``timeout_s`` (None: the budget's ``queue_timeout_s``; 0: do
+        not queue). Raises ``Overloaded`` when the queue is full or the wait times out.
         """
-        admission = await self._acquire(n_seqs, n_tokens, timeout_s)
+        admission = await self._acquire(n_seqs, n_tokens, timeout_s, lane)
         started = self._clock()
         try:
             yield admission
         finally:
-            self._release(n_seqs, n_tokens, held_s=self._clock() - started)
+            self._release(n_seqs, n_tokens, lane, held_s=self._clock() - started)
 
-    async def _acquire(self, n_seqs: int, n_tokens: int, timeout_s: float | None) -> Admission:
+    async def _acquire(self, n_seqs: int, n_tokens: int, timeout_s: float | None,
+                       lane: Lane) -> Admission:
         # Wrong sizes are a bug in the caller, not the client's fault: ValueError → 500.
         if n_seqs < 1 or n_tokens < 0:
             raise ValueError(f"admit needs n_seqs >= 1 and n_tokens >= 0, got {n_seqs}, {n_tokens}")
         timeout = self._queue_timeout_s if timeout_s is None else timeout_s
-        if not self._waiters and self._fits(n_seqs, n_tokens):
-            return self._take(n_seqs, n_tokens, waited_s=0.0)
-        if len(self._waiters) >= self._max_waiting:
+        ahead = self._ahead_of_new(lane)
+        if not ahead and self._fits(n_seqs, n_tokens, lane):
+            return self._take(n_seqs, n_tokens, lane, contended=bool(self._lanes["bulk"]))
+        if len(self._lanes["interactive"]) + len(self._lanes["bulk"]) >= self._max_waiting:
             raise self._reject(REJECT_QUEUE_FULL, n_seqs, n_tokens, waited_s=0.0,
-                               ahead=self._waiters, fallback_hold_s=timeout or 1.0)
+                               ahead=ahead, fallback_hold_s=timeout or 1.0)
+        if lane == "bulk" and len(self._lanes["bulk"]) >= self._bulk_max_waiting:
+            raise self._reject(REJECT_BULK_QUEUE_FULL, n_seqs, n_tokens, waited_s=0.0,
+                               ahead=ahead, fallback_hold_s=timeout or 1.0)
         if timeout <= 0:
             raise self._reject(REJECT_QUEUE_TIMEOUT, n_seqs, n_tokens, waited_s=0.0,
-                               ahead=self._waiters, fallback_hold_s=1.0)
+                               ahead=ahead, fallback_hold_s=1.0)
 
-        waiter = _Waiter(n_seqs, n_tokens, asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
+        waiter = _Waiter(n_seqs, n_tokens, asyncio.get_running_loop().create_future(), lane)
+        self._lanes[lane].append(waiter)
         self._waiting_seqs += n_seqs
         self._waiting_tokens += n_tokens
         t0 = self._clock()
@@ -168,9 +207,9 @@ class AdmissionBudget:
                 # Granted in the very iteration the timer fired: the budget is ours, use it.
                 return self._granted(waiter, waited_s=self._clock() - t0)
             if granted:  # cancelled right after the grant: give it back
-                self._release(n_seqs, n_tokens, held_s=None)
+                self._release(n_seqs, n_tokens, lane, held_s=None)
             else:
-                ahead = list(itertools.takewhile(lambda w: w is not waiter, self._waiters))
+                ahead = self._ahead_of(waiter)
                 self._dequeue(waiter)
                 self._wake()  # leaving the head may unblock the next waiter
                 if isinstance(exc, TimeoutError):
@@ -182,6 +221,14 @@ class AdmissionBudget:
             raise
         return self._granted(waiter, waited_s=self._clock() - t0)
 
+    def _ahead_of_new(self, lane: Lane) -> list[_Waiter]:
+        """Who a call arriving now waits behind: its own lane, and for bulk the interactive one."""
+        return [*self._lanes["interactive"]] if lane == "interactive" else self._waiters
+
+    def _ahead_of(self, waiter: _Waiter) -> list[_Waiter]:
+        before = list(itertools.takewhile(lambda w: w is not waiter, self._lanes[waiter.lane]))
+        return before if waiter.lane == "interactive" else [*self._lanes["interactive"], *before]
+
     @staticmethod
     def _granted(waiter: _Waiter, waited_s: float) -> Admission:
         # _wake already moved the waiter's sizes into the in-flight counters.
@@ -191,19 +238,29 @@ class AdmissionBudget:
     def _oversize_now(self, n_seqs: int, n_tokens: int) -> bool:
         return n_seqs > self._max_seqs or n_tokens > self._max_tokens
 
-    def _fits(self, n_seqs: int, n_tokens: int) -> bool:
+    def _fits(self, n_seqs: int, n_tokens: int, lane: Lane) -> bool:
         if self._inflight_seqs == 0 and self._inflight_tokens == 0:
             return True  # idle card: anything runs, an oversize request alone
+        if lane == "bulk" and (
+                self._bulk_seqs + n_seqs > self._bulk_inflight_share * self._max_seqs
+                or self._bulk_tokens + n_tokens > self._bulk_inflight_share * self._max_tokens):
+            return False
         return (self._inflight_seqs + n_seqs <= self._max_seqs
                 and self._inflight_tokens + n_tokens <= self._max_tokens)
 
-    def _take(self, n_seqs: int, n_tokens: int, waited_s: float) -> Admission:
+    def _take(self, n_seqs: int, n_tokens: int, lane: Lane, contended: bool) -> Admission:
+        """``contended``: the other lane had waiters too (bulk_min_share's deficit count)."""
         self._inflight_seqs += n_seqs
         self._inflight_tokens += n_tokens
-        self._admitted += 1
+        if lane == "bulk":
+            self._bulk_seqs += n_seqs
+            self._bulk_tokens += n_tokens
+        if contended:
+            self._contended[lane] += max(1, n_tokens)
+        self._admitted[lane] += 1
         alone = self._oversize_now(n_seqs, n_tokens)
         self._oversize += alone
-        return Admission(n_seqs, n_tokens, waited_s, alone)
+        return Admission(n_seqs, n_tokens, 0.0, alone)
 
     def _dequeue(self, waiter: _Waiter) -> None:
         if not waiter.queued:
@@ -212,24 +269,38 @@ class AdmissionBudget:
         self._waiting_seqs -= waiter.seqs
         self._waiting_tokens -= waiter.tokens
         with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
+            self._lanes[waiter.lane].remove(waiter)
+
+    def _next_lane(self) -> Lane | None:
+        """Interactive first, unless bulk is owed its share of what both lanes wanted."""
+        waiting = [lane for lane in LANES if self._lanes[lane]]
+        if len(waiting) < 2:
+            self._contended = {lane: 0 for lane in LANES}  # the deficit counts contention only
+            return waiting[0] if waiting else None
+        total = self._contended["interactive"] + self._contended["bulk"]
+        owed = self._contended["bulk"] < self._bulk_min_share * total
+        return "bulk" if owed else "interactive"
 
     def _wake(self) -> None:
-        """Admit waiters from the head while they fit; stop at the first that does not (FIFO)."""
-        while self._waiters:
-            head = self._waiters[0]
+        """Admit waiters while the chosen lane's head fits; stop at the first that does not."""
+        while (lane := self._next_lane()) is not None:
+            head = self._lanes[lane][0]
             if head.future.done():  # cancelled; its task removes it too, but do not block on it
                 self._dequeue(head)
                 continue
-            if not self._fits(head.seqs, head.tokens):
+            if not self._fits(head.seqs, head.tokens, lane):
                 return
+            contended = all(self._lanes[other] for other in LANES)
             self._dequeue(head)
-            head.admission = self._take(head.seqs, head.tokens, waited_s=0.0)
+            head.admission = self._take(head.seqs, head.tokens, lane, contended)
             head.future.set_result(None)
 
-    def _release(self, n_seqs: int, n_tokens: int, held_s: float | None) -> None:
+    def _release(self, n_seqs: int, n_tokens: int, lane: Lane, held_s: float | None) -> None:
         self._inflight_seqs -= n_seqs
         self._inflight_tokens -= n_tokens
+        if lane == "bulk":
+            self._bulk_seqs -= n_seqs
+            self._bulk_tokens -= n_tokens
         if held_s is not None:
             prev = self._hold_ewma_s
             self._hold_ewma_s = held_s if prev is None else (
@@ -256,6 +327,9 @@ class AdmissionBudget:
                  f"{self._max_seqs} / {self._max_tokens}, {len(self._waiters)} waiting")
         if reason == REJECT_QUEUE_FULL:
             msg = f"card is saturated: admission queue full ({self._max_waiting} waiting; {state})"
+        elif reason == REJECT_BULK_QUEUE_FULL:
+            msg = (f"bulk lane is full: {self._bulk_max_waiting} bulk calls waiting ({state}); "
+                   "the rest of the queue is kept for interactive calls")
         else:
             msg = (f"card is saturated: no batch budget for {n_seqs} seq / {n_tokens} tok after "
                    f"{waited_s:.1f} s ({state})")
@@ -275,7 +349,11 @@ class AdmissionBudget:
             "max_waiting": self._max_waiting,
             "queue_timeout_s": self._queue_timeout_s,
             "mean_hold_s": self._hold_ewma_s,
-            "admitted_total": self._admitted,
+            "admitted_total": sum(self._admitted.values()),
+            "admitted_bulk_total": self._admitted["bulk"],
+            "inflight_bulk_sequences": self._bulk_seqs,
+            "inflight_bulk_tokens": self._bulk_tokens,
+            "waiting_bulk": len(self._lanes["bulk"]),
             "oversize_total": self._oversize,
             "cancelled_total": self._cancelled,
             "rejected": dict(self._rejected),

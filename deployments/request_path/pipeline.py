@@ -18,7 +18,8 @@ import numpy as np
 
 from embedfleet.deployments import metrics
 from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig
-from embedfleet.deployments.contracts import EmbedCall, EmbedResult, InputReport, merged_headers
+from embedfleet.deployments.contracts import (EmbedCall, EmbedResult, InputReport, Lane,
+                                              merged_headers)
 from embedfleet.deployments.errors import ModelNotFound, Overloaded, TooManyInputs
 from embedfleet.deployments.options import router_model_share
 from embedfleet.deployments.request_path.long_input import LongInputPolicy
@@ -45,6 +46,7 @@ class EmbedRequest:
     prompt_name: str | None = None
     task: str | None = None
     normalize: bool = True
+    lane: Lane = "interactive"
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +122,7 @@ class EmbedPipeline:
         policy = request_policy(m.long_input, req)
         slices = [req.inputs[i:i + SLICE_INPUTS] for i in range(0, len(req.inputs), SLICE_INPUTS)]
         calls = [EmbedCall(list(s), f"{request_id}-{k}", req.model, req.dimensions, policy,
-                           req.prompt_name, req.task, req.normalize)
+                           req.prompt_name, req.task, req.normalize, req.lane)
                  for k, s in enumerate(slices)]
         if len(calls) == 1:
             results = [await caller(calls[0])]

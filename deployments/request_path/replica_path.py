@@ -72,7 +72,7 @@ class RequestPath:
         t0 = time.perf_counter()
         prepared = await self._prepare(call)
         pieces, n_tokens = prepared.pieces, prepared.piece_tokens
-        async with self.queue.admit(len(pieces), n_tokens):
+        async with self.queue.admit(len(pieces), n_tokens, lane=call.lane):
             self.inflight_sequences += len(pieces)
             self.inflight_tokens += n_tokens
             try:

@@ -67,6 +67,9 @@ class EngineArgs(_Strict):
         "utilisation knob would refer to host memory."
     )
     kv_cache_dtype: Literal["auto", "fp8", "int8"] = "auto"
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="priority", description="vLLM's scheduler order. priority: sequences of the "
+        "interactive lane go ahead of bulk ones already waiting inside the engine.")
     enforce_eager: bool = Field(
         default=True, description="Skip graph capture/compilation: faster start, and pooling "
         "batches vary in shape too much to profit much from it on CPU."
@@ -300,6 +303,7 @@ class EmbedfleetConfig(_Strict):
             "enforce_eager": m.engine.enforce_eager,
             "enable_prefix_caching": enable_prefix_caching,
             "kv_cache_dtype": m.engine.kv_cache_dtype,
+            "scheduling_policy": m.engine.scheduling_policy,
             "served_model_name": m.name,
         }
         if m.max_model_len:

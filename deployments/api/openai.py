@@ -111,8 +111,8 @@ class EmbeddingRequest(BaseModel):
     task: str | None = Field(default=None, description="Fills {task} in the template.")
     lane: Lane | None = Field(
         default=None, description="Priority lane: interactive (the default) is served ahead of "
-        "bulk; bulk (corpus indexing) gets a guaranteed minimum share and 429 when its queue is full. "
-        "Also the X-Embedfleet-Lane header.")
+        "bulk; bulk (corpus indexing) gets a guaranteed minimum share and 429 when its queue "
+        "is full. Also the X-Embedfleet-Lane header.")
 
     @field_validator("input", mode="before")
     @classmethod

@@ -64,10 +64,12 @@ class EmbeddingEngine(Protocol):
 
     async def embed(self, token_ids: list[list[int]], *, request_id: str,
                     dimensions: int | None = None, skip_prefix_cache: bool = False,
-                    normalize: bool = True) -> list[Embedding]:
+                    normalize: bool = True, priority: int = 0) -> list[Embedding]:
         """One vector per input, in input order. ``skip_prefix_cache``: compute without reading
         the prefix cache (the canary's reference, and the safe mode after a canary failure).
-        ``normalize=False``: the pooler's raw output (no L2 normalisation)."""
+        ``normalize=False``: the pooler's raw output (no L2 normalisation). ``priority``:
+        vLLM's, lower first (with ``engine.scheduling_policy: priority`` bulk-lane sequences
+        wait behind interactive ones)."""
 
     async def check_health(self) -> None:
         """Raise if the engine cannot embed."""
@@ -127,12 +129,13 @@ class VllmEmbeddingEngine:
         return [list(ids) for ids in self._tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
     async def _one(self, ids: list[int], request_id: str, dimensions: int | None,
-                   skip_prefix_cache: bool, normalize: bool) -> Embedding:
+                   skip_prefix_cache: bool, normalize: bool, priority: int) -> Embedding:
         prompt, params = vllm_api.pooling_request(ids, dimensions=dimensions,
                                                   skip_prefix_cache=skip_prefix_cache,
                                                   normalize=normalize)
         out = None
-        async for out in self._llm.encode(prompt, params, request_id=request_id):
+        async for out in self._llm.encode(prompt, params, request_id=request_id,
+                                          priority=priority):
             pass
         if out is None:
             raise EngineDead(f"engine returned no output for {request_id}")
@@ -144,11 +147,12 @@ class VllmEmbeddingEngine:
 
     async def embed(self, token_ids: list[list[int]], *, request_id: str,
                     dimensions: int | None = None, skip_prefix_cache: bool = False,
-                    normalize: bool = True) -> list[Embedding]:
+                    normalize: bool = True, priority: int = 0) -> list[Embedding]:
         if vllm_api.engine_errored(self._llm):
             raise EngineDead("vLLM engine core is not running")
         tasks = [asyncio.ensure_future(
-            self._one(ids, f"{request_id}-{i}", dimensions, skip_prefix_cache, normalize))
+            self._one(ids, f"{request_id}-{i}", dimensions, skip_prefix_cache, normalize,
+                      priority))
             for i, ids in enumerate(token_ids)]
         try:
             return list(await asyncio.gather(*tasks))

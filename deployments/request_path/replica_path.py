@@ -29,6 +29,8 @@ from embedfleet.deployments.request_path.long_input import SpecialTokens
 from embedfleet.deployments.request_path.prompts import PromptTemplates
 from embedfleet.deployments.request_path.long_input import LongInputPolicy
 
+# vLLM's priority per lane (lower is scheduled first, with engine.scheduling_policy: priority).
+LANE_PRIORITY = {"interactive": 0, "bulk": 1}
 # Characters above which a call's texts are tokenized in a worker thread.
 THREAD_TOKENIZE_CHARS = 16_384
 
@@ -76,7 +78,7 @@ class RequestPath:
             self.inflight_sequences += len(pieces)
             self.inflight_tokens += n_tokens
             try:
-                out = await self._engine_call(pieces, call.normalize)
+                out = await self._engine_call(pieces, call.normalize, LANE_PRIORITY[call.lane])
             finally:
                 self.inflight_sequences -= len(pieces)
                 self.inflight_tokens -= n_tokens
@@ -100,14 +102,16 @@ class RequestPath:
             return await asyncio.to_thread(prepare)
         return prepare()
 
-    async def _engine_call(self, pieces: list[list[int]], normalize: bool) -> list[Embedding]:
+    async def _engine_call(self, pieces: list[list[int]], normalize: bool,
+                           priority: int) -> list[Embedding]:
         """Admitted pieces straight into the engine. While the engine is being replaced the call
         waits at the gate (up to the model's ``cold_start_hold_s``), then runs on the new one."""
         async with self._gate.use(self._hold_s, self._retry_after_s) as engine:
             skip = engine.info.prefix_caching and not self._reads_cache()
             try:
                 out = await engine.embed(pieces, request_id=f"e-{uuid.uuid4().hex[:12]}",
-                                         skip_prefix_cache=skip, normalize=normalize)
+                                         skip_prefix_cache=skip, normalize=normalize,
+                                         priority=priority)
             except (EmbedfleetError, asyncio.CancelledError):
                 raise
             except Exception as exc:

@@ -43,9 +43,10 @@ class CacheHitCorruptingFaultInjector:
 
     async def embed(self, token_ids: list[list[int]], *, request_id: str,
                     dimensions: int | None = None, skip_prefix_cache: bool = False,
-                    normalize: bool = True) -> list[Embedding]:
+                    normalize: bool = True, priority: int = 0) -> list[Embedding]:
         out = await self.inner.embed(token_ids, request_id=request_id, dimensions=dimensions,
-                                     skip_prefix_cache=skip_prefix_cache, normalize=normalize)
+                                     skip_prefix_cache=skip_prefix_cache, normalize=normalize,
+                                     priority=priority)
         armed = self._armed_by is None or self._armed_by.exists()
         for e in out:
             if armed and e.num_cached_tokens > 0:

@@ -108,11 +108,12 @@ class Unauthorized(EmbedfleetError):
     status, type, code = 401, "authentication_error", "invalid_api_key"
 
 
-# -- capacity: retry later -------------------------------------------------------------------
 class LaneNotAllowed(EmbedfleetError):
     """The API key is limited to another lane (router.api_keys_file ``KEY lane=bulk``)."""
     status, type, code = 403, "permission_error", "lane_not_allowed"
 
+
+# -- capacity: retry later -------------------------------------------------------------------
 
 class Overloaded(EmbedfleetError):
     status, type, code = 429, "rate_limit_error", "overloaded"

@@ -260,8 +260,8 @@ class CheckedBudget(AdmissionBudget):
 
     violations: list[str]
 
-    def _take(self, n_seqs, n_tokens, lane, contended):
-        adm = super()._take(n_seqs, n_tokens, lane, contended)
+    def _take(self, n_seqs, n_tokens, lane, in_window):
+        adm = super()._take(n_seqs, n_tokens, lane, in_window)
         seqs, toks = self._inflight_seqs, self._inflight_tokens
         within = seqs <= self._max_seqs and toks <= self._max_tokens
         alone = (seqs, toks) == (n_seqs, n_tokens)
@@ -270,7 +270,8 @@ class CheckedBudget(AdmissionBudget):
         share = self._bulk_inflight_share
         bulk_within = (self._bulk_seqs <= share * self._max_seqs
                        and self._bulk_tokens <= share * self._max_tokens)
-        if lane == "bulk" and not (bulk_within or alone):
+        only_bulk = (self._bulk_seqs, self._bulk_tokens) == (n_seqs, n_tokens)
+        if lane == "bulk" and not (bulk_within or alone or only_bulk):
             self.violations.append(f"bulk {self._bulk_seqs}/{self._bulk_tokens} over its share of "
                                    f"{self.limits} granting {n_seqs}/{n_tokens}")
         return adm

@@ -25,7 +25,7 @@ async def _hold(budget: AdmissionBudget, lane: str, release: asyncio.Event, seqs
 
 def test_an_interactive_call_starts_at_once_during_a_bulk_flood():
     async def main():
-        b = AdmissionBudget(4, 1000, max_waiting=100)
+        b = AdmissionBudget(4, 1000, max_waiting=100, bulk_max_inflight_share=0.75)
         release = asyncio.Event()
         bulk = [asyncio.create_task(_hold(b, "bulk", release)) for _ in range(20)]
         await asyncio.sleep(0.01)
@@ -143,5 +143,77 @@ def test_bulk_alone_on_an_idle_card_runs_even_when_its_share_is_less_than_one_ca
         async with b.admit(1, 10, lane="bulk") as adm:
             assert adm.waited_s == 0.0
         assert b.snapshot()["admitted_bulk_total"] == 1
+
+    asyncio.run(main())
+
+
+def test_a_bulk_call_held_back_by_its_cap_lets_waiting_interactive_calls_by():
+    # Review finding: bulk owed its share but capped used to stop the queue, so interactive
+    # calls that fit waited for a bulk call to end.
+    async def main():
+        b = AdmissionBudget(4, 1000, max_waiting=100, bulk_max_inflight_share=0.5,
+                            bulk_min_share=0.5)
+        bulk_done = asyncio.Event()
+        ends = [asyncio.Event() for _ in range(4)]
+        got: list[str] = []
+        tasks = [asyncio.create_task(_hold(b, "bulk", bulk_done)) for _ in range(2)]
+        tasks += [asyncio.create_task(_hold(b, "interactive", ends[k])) for k in range(2)]
+        await asyncio.sleep(0.01)  # full: 2 bulk (its cap) + 2 interactive
+        tasks.append(asyncio.create_task(_hold(b, "bulk", bulk_done, log=got, tag="b3")))
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(_hold(b, "interactive", ends[k], log=got, tag=f"i{k}"))
+                  for k in (2, 3)]
+        await asyncio.sleep(0.01)
+        ends[0].set()  # a slot frees: i2 goes (interactive first), bulk is now owed its share
+        await asyncio.sleep(0.01)
+        ends[1].set()  # another: b3 is owed but capped, so i3 takes it instead of waiting
+        await asyncio.sleep(0.01)
+        assert got == ["i2", "i3"], (got, b.snapshot())
+        assert b.snapshot()["waiting_bulk"] == 1
+        for e in ends:
+            e.set()
+        bulk_done.set()
+        await asyncio.gather(*tasks)
+        assert got[-1] == "b3"
+
+    asyncio.run(main())
+
+
+def test_one_bulk_call_bigger_than_its_cap_runs_beside_interactive_work():
+    async def main():
+        b = AdmissionBudget(4, 1000, max_waiting=100, bulk_max_inflight_share=0.5)
+        release = asyncio.Event()
+        busy = asyncio.create_task(_hold(b, "interactive", release))
+        await asyncio.sleep(0)
+        got: list[str] = []
+        big = asyncio.create_task(_hold(b, "bulk", release, seqs=3, log=got))
+        await asyncio.sleep(0.01)
+        assert got == ["bulk"]  # 3 > 0.5 x 4, but it is the only bulk call: no idle card needed
+        release.set()
+        await asyncio.gather(busy, big)
+
+    asyncio.run(main())
+
+
+def test_interactive_calls_that_never_queue_still_leave_bulk_its_share():
+    # Review finding: interactive calls on the fast path took every freed slot, so a waiting
+    # bulk call was refused at its timeout although interactive never built a queue.
+    async def main():
+        b = AdmissionBudget(4, 1000, max_waiting=100, queue_timeout_s=1.0,
+                            bulk_max_inflight_share=0.75)
+        stop = asyncio.Event()
+
+        async def interactive() -> None:
+            while not stop.is_set():
+                async with b.admit(1, 10, lane="interactive"):
+                    await asyncio.sleep(0.005)
+
+        clients = [asyncio.create_task(interactive()) for _ in range(4)]
+        await asyncio.sleep(0.05)
+        async with b.admit(3, 30, lane="bulk") as adm:  # would time out if starved
+            assert adm.waited_s < 1.0
+        stop.set()
+        await asyncio.gather(*clients)
+        assert b.snapshot()["rejected"][REJECT_QUEUE_TIMEOUT] == 0
 
     asyncio.run(main())

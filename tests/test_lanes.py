@@ -61,7 +61,7 @@ def test_the_lane_comes_from_the_body_or_the_header_and_defaults_to_interactive(
     assert client.post(path, json={**body, "lane": "bulk"}).status_code == 200
     assert client.post(path, json=body, headers={"X-Embedfleet-Lane": "bulk"}).status_code == 200
     assert client.post(path, json={**body, "lane": "bulk"},
-                       headers={"X-Embedfleet-Lane": "BULK"}).status_code == 200
+                       headers={"X-Embedfleet-Lane": "bulk"}).status_code == 200
     assert rec.lanes == ["interactive", "bulk", "bulk", "bulk"]
 
 
@@ -70,8 +70,9 @@ def test_a_bad_or_conflicting_lane_is_the_same_clear_error_on_both_apis(served, 
     client, _, rec, _ = served
     r = client.post(path, json={**body, "lane": "urgent"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "lane"
-    r = client.post(path, json=body, headers={"X-Embedfleet-Lane": "urgent"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "x-embedfleet-lane"
+    for bad in ("urgent", "BULK"):  # exact values, as the body's field
+        r = client.post(path, json=body, headers={"X-Embedfleet-Lane": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-embedfleet-lane"
     r = client.post(path, json={**body, "lane": "interactive"},
                     headers={"X-Embedfleet-Lane": "bulk"})
     assert r.status_code == 400 and "send one" in r.json()["error"]["message"]
@@ -104,3 +105,6 @@ def test_a_keys_file_with_an_unknown_option_fails_at_start_naming_the_line(tmp_p
     f.write_text("sk-a\nsk-b lane=fast\n")
     with pytest.raises(ValueError, match=r"keys:2: .*'lane=fast'"):
         load_api_keys(str(f), None)
+    f.write_text("sk-a lane=bulk\nsk-a\n")
+    with pytest.raises(ValueError, match="listed twice with different lanes"):
+        load_key_lanes(str(f))

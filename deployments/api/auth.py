@@ -49,7 +49,11 @@ def load_key_lanes(keys_file: str | None) -> dict[bytes, Lane]:
     """The keys limited to one lane, from the keys file."""
     if not keys_file:
         return {}
-    return {k.encode(): lane for k, lane in _key_lines(keys_file) if lane is not None}
+    lanes: dict[bytes, Lane | None] = {}
+    for k, lane in _key_lines(keys_file):
+        if lanes.setdefault(k.encode(), lane) != lane:
+            raise ValueError(f"{keys_file}: a key is listed twice with different lanes")
+    return {k: lane for k, lane in lanes.items() if lane is not None}
 
 
 def load_api_keys(keys_file: str | None, keys_env: str | None) -> tuple[bytes, ...]:

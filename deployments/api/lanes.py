@@ -21,10 +21,10 @@ LANES: tuple[Lane, ...] = get_args(Lane)
 
 def request_lane(request: Request, body_lane: Lane | None) -> Lane:
     header = request.headers.get(LANE_HEADER)
-    if header is not None and header.strip().lower() not in LANES:
+    from_header = header.strip() if header is not None else None
+    if from_header is not None and from_header not in LANES:  # exact, as the body's field
         raise InvalidParameterValue(f"{LANE_HEADER} must be one of {', '.join(LANES)}; got "
                                     f"{header[:40]!r}", param=LANE_HEADER)
-    from_header = header.strip().lower() if header is not None else None
     if body_lane is not None and from_header is not None and body_lane != from_header:
         raise InvalidParameterValue(f"the body asks for lane '{body_lane}' and the "
                                     f"{LANE_HEADER} header for '{from_header}': send one",

@@ -99,7 +99,7 @@ class AdmissionBudget:
 
     def __init__(self, max_sequences: int, max_tokens: int, *, max_waiting: int = 1024,
                  queue_timeout_s: float = 30.0, max_retry_after_s: float = 60.0,
-                 bulk_max_inflight_share: float = 0.75, bulk_min_share: float = 0.25,
+                 bulk_max_inflight_share: float = 0.5, bulk_min_share: float = 0.25,
                  bulk_max_waiting: int | None = None,
                  on_reject: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -127,8 +127,8 @@ class AdmissionBudget:
         self._inflight_tokens = 0
         self._bulk_seqs = 0     # the bulk lane's part of the in-flight counts
         self._bulk_tokens = 0
-        # Tokens admitted per lane while both lanes had waiters (bulk_min_share's deficit count).
-        self._contended = {lane: 0 for lane in LANES}
+        # Tokens admitted per lane since bulk last had no waiter (bulk_min_share's deficit count).
+        self._window = {lane: 0 for lane in LANES}
         self._hold_ewma_s: float | None = None
         self._admitted = {lane: 0 for lane in LANES}
         self._oversize = 0
@@ -181,8 +181,9 @@ class AdmissionBudget:
             raise ValueError(f"admit needs n_seqs >= 1 and n_tokens >= 0, got {n_seqs}, {n_tokens}")
         timeout = self._queue_timeout_s if timeout_s is None else timeout_s
         ahead = self._ahead_of_new(lane)
-        if not ahead and self._fits(n_seqs, n_tokens, lane):
-            return self._take(n_seqs, n_tokens, lane, contended=bool(self._lanes["bulk"]))
+        # An interactive call overtakes waiting bulk calls, unless bulk is owed its share.
+        if not ahead and self._fits(n_seqs, n_tokens, lane) and not self._bulk_owed():
+            return self._take(n_seqs, n_tokens, lane, in_window=bool(self._lanes["bulk"]))
         if len(self._lanes["interactive"]) + len(self._lanes["bulk"]) >= self._max_waiting:
             raise self._reject(REJECT_QUEUE_FULL, n_seqs, n_tokens, waited_s=0.0,
                                ahead=ahead, fallback_hold_s=timeout or 1.0)
@@ -197,6 +198,7 @@ class AdmissionBudget:
         self._lanes[lane].append(waiter)
         self._waiting_seqs += n_seqs
         self._waiting_tokens += n_tokens
+        self._wake()  # e.g. an interactive call queued for owed bulk that the bulk cap holds back
         t0 = self._clock()
         try:
             async with asyncio.timeout(timeout):
@@ -241,22 +243,23 @@ class AdmissionBudget:
     def _fits(self, n_seqs: int, n_tokens: int, lane: Lane) -> bool:
         if self._inflight_seqs == 0 and self._inflight_tokens == 0:
             return True  # idle card: anything runs, an oversize request alone
-        if lane == "bulk" and (
+        # The bulk cap binds only beside other bulk work: one bulk call never needs an idle card.
+        if lane == "bulk" and (self._bulk_seqs or self._bulk_tokens) and (
                 self._bulk_seqs + n_seqs > self._bulk_inflight_share * self._max_seqs
                 or self._bulk_tokens + n_tokens > self._bulk_inflight_share * self._max_tokens):
             return False
         return (self._inflight_seqs + n_seqs <= self._max_seqs
                 and self._inflight_tokens + n_tokens <= self._max_tokens)
 
-    def _take(self, n_seqs: int, n_tokens: int, lane: Lane, contended: bool) -> Admission:
-        """``contended``: the other lane had waiters too (bulk_min_share's deficit count)."""
+    def _take(self, n_seqs: int, n_tokens: int, lane: Lane, in_window: bool) -> Admission:
+        """``in_window``: bulk had waiters when this was admitted (bulk_min_share's count)."""
         self._inflight_seqs += n_seqs
         self._inflight_tokens += n_tokens
         if lane == "bulk":
             self._bulk_seqs += n_seqs
             self._bulk_tokens += n_tokens
-        if contended:
-            self._contended[lane] += max(1, n_tokens)
+        if in_window:
+            self._window[lane] += max(1, n_tokens)
         self._admitted[lane] += 1
         alone = self._oversize_now(n_seqs, n_tokens)
         self._oversize += alone
@@ -270,29 +273,42 @@ class AdmissionBudget:
         self._waiting_tokens -= waiter.tokens
         with contextlib.suppress(ValueError):
             self._lanes[waiter.lane].remove(waiter)
+        if not self._lanes["bulk"]:
+            self._window = {lane: 0 for lane in LANES}  # the share counts while bulk waits
+
+    def _bulk_owed(self) -> bool:
+        """Bulk waits and has had less than ``bulk_min_share`` of what was admitted meanwhile."""
+        total = self._window["interactive"] + self._window["bulk"]
+        return bool(self._lanes["bulk"]) and self._window["bulk"] < self._bulk_min_share * total
 
     def _next_lane(self) -> Lane | None:
-        """Interactive first, unless bulk is owed its share of what both lanes wanted."""
-        waiting = [lane for lane in LANES if self._lanes[lane]]
-        if len(waiting) < 2:
-            self._contended = {lane: 0 for lane in LANES}  # the deficit counts contention only
-            return waiting[0] if waiting else None
-        total = self._contended["interactive"] + self._contended["bulk"]
-        owed = self._contended["bulk"] < self._bulk_min_share * total
-        return "bulk" if owed else "interactive"
+        """Interactive first, unless bulk is owed its share."""
+        if not self._lanes["interactive"]:
+            return "bulk" if self._lanes["bulk"] else None
+        return "bulk" if self._bulk_owed() else "interactive"
 
     def _wake(self) -> None:
-        """Admit waiters while the chosen lane's head fits; stop at the first that does not."""
+        """Admit waiters while the chosen lane's head fits; stop at the first that does not,
+        except that a bulk head held back only by bulk's cap lets interactive calls by."""
         while (lane := self._next_lane()) is not None:
             head = self._lanes[lane][0]
             if head.future.done():  # cancelled; its task removes it too, but do not block on it
                 self._dequeue(head)
                 continue
             if not self._fits(head.seqs, head.tokens, lane):
-                return
-            contended = all(self._lanes[other] for other in LANES)
+                capped = lane == "bulk" and self._fits(head.seqs, head.tokens, "interactive")
+                if not (capped and self._lanes["interactive"]):
+                    return
+                head = self._lanes["interactive"][0]
+                if head.future.done():
+                    self._dequeue(head)
+                    continue
+                if not self._fits(head.seqs, head.tokens, "interactive"):
+                    return
+                lane = "interactive"
+            in_window = bool(self._lanes["bulk"])
             self._dequeue(head)
-            head.admission = self._take(head.seqs, head.tokens, lane, contended)
+            head.admission = self._take(head.seqs, head.tokens, lane, in_window)
             head.future.set_result(None)
 
     def _release(self, n_seqs: int, n_tokens: int, lane: Lane, held_s: float | None) -> None:

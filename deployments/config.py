@@ -126,7 +126,7 @@ class AdmissionConfig(_Strict):
         default=None, description="Of max_waiting, the most bulk-lane calls that may queue (None "
         "= half); the rest is kept for interactive calls. Past it, bulk gets 429.")
     bulk_max_inflight_share: Annotated[float, Field(gt=0, le=1)] = Field(
-        default=0.5, description="Share of the budget (sequences and tokens) bulk may hold in "
+        default=0.75, description="Share of the budget (sequences and tokens) bulk may hold in "
         "flight, so an interactive call arriving during a bulk flood starts at once.")
     bulk_min_share: Annotated[float, Field(ge=0, lt=1)] = Field(
         default=0.25, description="While both lanes wait, the least share of admitted tokens "

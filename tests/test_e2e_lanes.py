@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from tests.conftest import MINILM
+from tests.support.live_cluster import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -78,7 +79,9 @@ def test_a_bulk_flood_refuses_no_interactive_query(cluster, reference_embed):
         if r.status_code == 429:
             assert int(r.headers["Retry-After"]) >= 1
             assert r.json()["error"]["code"] == "overloaded"
-    assert _admitted_bulk(cluster) - bulk_before >= bulk_codes.count(200)  # the replicas' lane
+    # the replicas admitted them on their bulk lane (their status is a heartbeat, seconds old)
+    wait_for(lambda: _admitted_bulk(cluster) - bulk_before >= bulk_codes.count(200), 30,
+             "the replicas' bulk admissions to cover every bulk 200", every=2)
     lat = sorted(t for _, t in interactive)
     print(f"lanes: interactive {len(lat)} x 200, p50 {lat[len(lat) // 2] * 1000:.0f} ms, "
           f"max {lat[-1] * 1000:.0f} ms; bulk {bulk_codes.count(200)} x 200, "

@@ -99,7 +99,7 @@ class AdmissionBudget:
 
     def __init__(self, max_sequences: int, max_tokens: int, *, max_waiting: int = 1024,
                  queue_timeout_s: float = 30.0, max_retry_after_s: float = 60.0,
-                 bulk_max_inflight_share: float = 0.5, bulk_min_share: float = 0.25,
+                 bulk_max_inflight_share: float = 0.75, bulk_min_share: float = 0.25,
                  bulk_max_waiting: int | None = None,
                  on_reject: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:

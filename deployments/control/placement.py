@@ -79,8 +79,12 @@ def blocked_replicas(creating: int, free_cards: float, creating_for_s: float,
 
 
 def reclaimable_cards(alive: dict[str, int], min_replicas: dict[str, int], but: str) -> int:
-    """Cards held by replicas above their deployment's ``min_replicas``, other than ``but``'s."""
-    return sum(max(0, n - min_replicas.get(d, 0)) for d, n in alive.items() if d != but)
+    """Cards held by replicas above their deployment's ``min_replicas``, other than ``but``'s.
+    Only the engine deployments named in ``min_replicas`` hold cards: the router, registry and
+    governor replicas in ``alive`` hold none (counting the two routers made every replacement
+    look "coming" and broke the fail-fast 503: caught by tests/test_e2e_reliability.py)."""
+    return sum(max(0, n - min_replicas[d]) for d, n in alive.items()
+               if d != but and d in min_replicas)
 
 
 # Ray actor states of a replica that exists or is being made (DEAD ones are gone for good:

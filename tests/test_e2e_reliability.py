@@ -15,7 +15,8 @@ import psutil
 import pytest
 import requests
 
-from tests.conftest import AUTOSCALE, FAULTY_QWEN3, MINILM, ROOT
+from tests.conftest import AUTOSCALE, FAULTY_QWEN3, MINILM, ROOT, ZERO
+from tests.support.live_cluster import alive_actors
 
 pytestmark = pytest.mark.cluster
 
@@ -189,6 +190,11 @@ def test_a_model_with_no_replica_and_none_starting_answers_503_at_once(cluster):
     # exactly one replica: load from an earlier test may have scaled it to 2 (downscale is 8 s)
     wait_for(lambda: len(ready_replicas(cluster, AUTOSCALE)) == 1, 300,
              f"{AUTOSCALE} back at one replica", every=2)
+    # and minilm-zero scaled to zero: a card held above a model's min_replicas counts as one
+    # that comes back (control/placement.py), so the replacement would be held for, not refused
+    zero_cls = f"ServeReplica:embedfleet:engine-{ZERO}"
+    wait_for(lambda: not any(a.class_name == zero_cls for a in alive_actors()[0]), 120,
+             f"{ZERO} scaled to zero", every=2)
     before = {c["replica_id"] for c in ready_replicas(cluster, AUTOSCALE)}
     ray_script(CARD_HOLDER, "take")
     try:

@@ -13,7 +13,7 @@ are pydantic (validated once, dumped to JSON for status and ``/v1/models``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, PositiveInt
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt
 from embedfleet.deployments.request_path.long_input import LongInputPolicy
 
 Lane = Literal["interactive", "bulk"]
+LANES: tuple[Lane, ...] = get_args(Lane)  # in serving order: interactive first
 
 
 # -- the request path (router -> replica -> router) ------------------------------------------------

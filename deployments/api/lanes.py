@@ -7,16 +7,13 @@ One rule for both APIs, so the same request gets the same lane (or the same erro
 
 from __future__ import annotations
 
-from typing import get_args
-
 from starlette.requests import Request
 
 from embedfleet.deployments.api.auth import LANE_LIMIT
-from embedfleet.deployments.contracts import Lane
+from embedfleet.deployments.contracts import LANES, Lane
 from embedfleet.deployments.errors import InvalidParameterValue, LaneNotAllowed
 
 LANE_HEADER = "x-embedfleet-lane"
-LANES: tuple[Lane, ...] = get_args(Lane)
 
 
 def request_lane(request: Request, body_lane: Lane | None) -> Lane:

@@ -15,9 +15,9 @@ Rules, and why:
   - bulk holds at most ``bulk_max_inflight_share`` of the budget (sequences and tokens), so an
     interactive call arriving during a bulk flood finds room at once instead of waiting for a
     bulk call to finish;
-  - while both lanes wait, bulk gets at least ``bulk_min_share`` of the tokens admitted (a
-    deficit count, reset whenever a lane's queue empties), so a steady interactive stream never
-    starves it;
+  - while bulk waits, it is owed at least ``bulk_min_share`` of the tokens admitted (a deficit
+    count, reset when bulk's queue empties), and interactive calls queue while it is owed, so a
+    steady interactive stream never starves it;
   - at most ``bulk_max_waiting`` bulk calls queue, so bulk never takes the waiting slots an
     interactive call needs; past it, or past its wait bound, a bulk call gets 429.
 * **Oversize runs alone.** A request larger than the whole budget (more sequences or tokens than
@@ -54,7 +54,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from embedfleet.deployments.contracts import Lane
+from embedfleet.deployments.contracts import LANES, Lane
 from embedfleet.deployments.errors import Overloaded
 
 #: Reasons passed to ``on_reject`` (and shown in ``snapshot()["rejected"]``); bounded label values
@@ -62,7 +62,6 @@ from embedfleet.deployments.errors import Overloaded
 REJECT_QUEUE_FULL = "budget_queue_full"
 REJECT_QUEUE_TIMEOUT = "budget_queue_timeout"
 REJECT_BULK_QUEUE_FULL = "bulk_queue_full"
-LANES: tuple[Lane, ...] = ("interactive", "bulk")
 
 # Weight of the newest hold time in the EWMA: reacts within ~5 completions, ignores one outlier.
 _HOLD_EWMA_ALPHA = 0.2

@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-docs", type=int, default=4, help="long mode: documents to embed")
     p.add_argument("--long-tokens", type=int, default=32768, help="long mode: tokens each")
     p.add_argument("--texts", type=int, default=2000)
+    p.add_argument("--texts-file", type=Path, help="JSONL with a `text` field (e.g. the input of "
+                   "`embedfleet embed-corpus`): the engine's limit on a corpus's own texts")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--config", help="embedfleet config whose first model the vllm mode loads")
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="all-minilm-l6-v2")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    texts = workload(args.texts)
+    texts = ([json.loads(line)["text"] for line in args.texts_file.open() if line.strip()]
+             if args.texts_file else workload(args.texts))
     runs = []
     if args.mode in ("vllm", "both"):
         runs.append(asyncio.run(run_vllm(texts, args.batch, args.concurrency, args.config)))
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                                          args.model)))
     report = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": platform.python_version()},
-              "workload": {"texts": args.texts, "batch": args.batch,
+              "workload": {"texts": len(texts), "file": str(args.texts_file or ""),
+                           "batch": args.batch,
                            "concurrency": args.concurrency, "words": [5, 150], "seed": 0},
               "runs": runs}
     if args.mode == "both":

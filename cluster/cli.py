@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from embedfleet.cluster import doctor, local, status
+from embedfleet.cluster import doctor, embed_corpus, local, status
 
 from embedfleet.cluster.verify import command as verify
 from embedfleet.cluster.monitoring_stack import start_monitoring, stop_monitoring
@@ -203,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_parsers(sub)
     verify.add_parser(sub)
     doctor.add_parser(sub)
+    embed_corpus.add_parser(sub)
     # prefix_chars="+": `bench` has no options of its own, so every --flag (and --help) reaches
     # embedfleet.benchmarks.bench's parser untouched.
     bench = sub.add_parser("bench", help="compare embedfleet with vLLM and Infinity "
@@ -227,7 +228,7 @@ def quiet_ray_logs() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_ray_logs()
-    if args.command in ("up", "down", "deploy", "status", "prefix-cache"):
+    if args.command in ("up", "down", "deploy", "status", "prefix-cache", "embed-corpus"):
         local.ensure_token_auth()
     try:
         return int(args.func(args) or 0)

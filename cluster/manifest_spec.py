@@ -27,7 +27,7 @@ from embedfleet.deployments.config_cluster import ClusterDeployConfig
 from embedfleet.deployments.engine.ascend_release import RAY
 from embedfleet.deployments.engine.platform import ASCEND_ENGINE_ENV
 
-# The Ascend stack's ray[serve] pin (the `ascend` extra): head, workers and the image must all
+# The Ascend stack's ray[serve,data] pin (the `ascend` extra): head, workers and the image must all
 # run it. Not the CPU stack's 2.60.0, which cannot resolve beside vllm-ascend's fastapi bound.
 RAY_VERSION = RAY
 HEAD_PORT = 6379

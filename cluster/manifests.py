@@ -90,7 +90,7 @@ def _header(spec: AscendClusterSpec, uses: tuple[str, ...], *paragraphs: str) ->
                    f"node: {', '.join(shown[n] for n in placeholders)}. Render again with "
                    f"{flags} (or {fields} in the config).")
     out.append(f"The image must carry CANN {CANN_VERSION} (what vllm-ascend {VLLM_ASCEND_VERSION} "
-               f"requires), torch-npu, vllm-ascend and ray[serve] {RAY_VERSION}, with CANN's "
+               f"requires), torch-npu, vllm-ascend and ray[serve,data] {RAY_VERSION}, with CANN's "
                "set_env.sh variables in its ENV.")
     out += paragraphs
     return "".join(f"# {line}\n" for par in out for line in textwrap.wrap(par, 96, break_on_hyphens=False))

@@ -26,7 +26,7 @@ class ClusterDeployConfig(BaseModel):
 
     image: Annotated[str, Field(max_length=255)] | None = Field(
         default=None, description="Container image of every Ray node (head and workers, both "
-        "renders): CANN, torch-npu, vllm-ascend and ray[serve] at the project's pins, with CANN's "
+        "renders): CANN, torch-npu, vllm-ascend and ray[serve,data] at the project's pins, with CANN's "
         "set_env.sh variables in its ENV. A reference such as "
         "swr.cn-south-1.myhuaweicloud.com/team/embedfleet-ascend:0.1.0.")
     name: Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=47)] | None = (

@@ -91,6 +91,25 @@ def merged_headers(prints: list[Fingerprint]) -> dict[str, str]:
     return first
 
 
+@dataclass(frozen=True, slots=True)
+class BatchCall:
+    """A batch of texts sent through the Router's Serve handle (``Router.embed_batch``): the
+    corpus job's call. It runs the online pipeline (the same chunking, long-input policy and
+    prompts), on the lane it names."""
+
+    model: str
+    texts: list[str]
+    prompt_name: str | None = None
+    lane: Lane = "bulk"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    vectors: np.ndarray  # (texts, dimensions) float32, in input order
+    tokens: tuple[int, ...]  # each text's own length in tokens (prompt included, before any cut)
+    fingerprint: dict[str, str]  # the x-embedfleet-* fingerprint headers ("mixed" where split)
+
+
 # -- control plane ---------------------------------------------------------------------------------
 
 class _Model(BaseModel):

@@ -17,7 +17,8 @@ RAY_JOB = "ray"
 SELECTOR = f'job="{RAY_JOB}"'
 
 # Latency is judged on the APIs that embed. ``models`` and ``tokenize`` answer in microseconds and
-# would drag the quantiles down, hiding slow embeddings.
+# would drag the quantiles down, hiding slow embeddings. ``batch`` (the corpus job's Serve-handle
+# calls, hundreds of texts on the bulk lane) is throughput work: its seconds are not a user's wait.
 EMBEDDING_APIS: tuple[str, ...] = ("embeddings", "embed")
 
 # Server-side failures. 4xx are the client's mistakes and 429 is admission control doing its job

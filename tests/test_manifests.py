@@ -235,7 +235,7 @@ def test_ray_version_is_the_ascend_extras_pin():
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    assert f"ray[serve]=={RAY_VERSION}" in extras["ascend"]
+    assert f"ray[serve,data]=={RAY_VERSION}" in extras["ascend"]
     assert RAY_VERSION != ray.__version__  # the CPU stack (this venv) runs another Ray
 
 

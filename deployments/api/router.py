@@ -22,7 +22,8 @@ from embedfleet.deployments.api.auth import ApiKeyMiddleware, load_api_keys, loa
 from embedfleet.deployments.api.http import install_error_handlers
 from embedfleet.deployments.api.routes import ApiRoutes
 from embedfleet.deployments.config import parse_config
-from embedfleet.deployments.contracts import FleetStatus, ModelReadiness, ReplicaDescription
+from embedfleet.deployments.contracts import (BatchCall, BatchResult, FleetStatus,
+                                              ModelReadiness, ReplicaDescription)
 from embedfleet.deployments.request_path.pipeline import EmbedPipeline
 from embedfleet.deployments.request_path.readiness import ReadinessView
 from embedfleet.deployments.request_path.remote import RemoteCaller
@@ -105,6 +106,10 @@ def router_deployment(app: FastAPI | None = None) -> type:
         @app.post("/tokenize", **openapi.doc("/tokenize"))
         async def tei_tokenize(self, request: Request) -> Response:
             return await self.api.tei_tokenize(request)
+
+        async def embed_batch(self, call: BatchCall) -> BatchResult:
+            """Not HTTP: the corpus job's call through this deployment's Serve handle."""
+            return await self.api.embed_batch(call)
 
         @app.get("/v1/models", **openapi.doc("/v1/models"))
         async def models(self) -> Response:

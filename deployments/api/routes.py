@@ -27,12 +27,12 @@ from embedfleet.deployments.api.tei import (parse_tei_embed_request, parse_tei_t
                                             tei_embed_response, tei_to_pipeline,
                                             tei_tokenize_response)
 from embedfleet.deployments.config import EmbedfleetConfig
-from embedfleet.deployments.contracts import FleetStatus
+from embedfleet.deployments.contracts import BatchCall, BatchResult, FleetStatus
 from ray.serve.exceptions import BackPressureError
 
 from embedfleet.deployments.errors import EmbedfleetError, EngineUnavailable, NotReady, \
     Overloaded, error_response, internal_error_response
-from embedfleet.deployments.request_path.pipeline import EmbedPipeline
+from embedfleet.deployments.request_path.pipeline import EmbedPipeline, EmbedRequest
 from embedfleet.deployments.request_path.remote import REPLICA_GONE
 
 Tokenizer = Callable[[str, list[str], bool, str | None], Awaitable[list]]
@@ -110,6 +110,31 @@ class ApiRoutes:
                                  headers={"x-request-id": request_id, **out.headers})
 
         return await self._answer("embed", f"/embed {request_id}", handle)
+
+    async def embed_batch(self, call: BatchCall) -> BatchResult:
+        """The Serve-handle API (``embedfleet embed-corpus``): the same pipeline as HTTP, no wire
+        format. Errors are raised as they are (typed, they pickle through Ray), so the caller
+        retries 429/503 by their ``retry_after_s`` and stops on a 4xx."""
+        request_id = f"batch-{uuid.uuid4().hex[:16]}"
+        t0, status = time.perf_counter(), 500
+        model = call.model if call.model in self.pipeline.models else "_unknown"
+        try:
+            out = await self.pipeline.run(EmbedRequest(call.model, call.texts, "texts",
+                                                       prompt_name=call.prompt_name,
+                                                       lane=call.lane), request_id)
+            status = 200
+        except EmbedfleetError as err:
+            status = err.status
+            raise
+        finally:
+            self._rec.inc("embedfleet_requests_total", 1,
+                          {"model": model, "api": "batch", "status_code": str(status)})
+            self._rec.observe("embedfleet_request_latency_seconds", time.perf_counter() - t0,
+                              {"model": model, "api": "batch"})
+        self._served(call.model, len(out.vectors), out.prompt_tokens)
+        return BatchResult(out.vectors, tuple(r.input_tokens for r in out.inputs),
+                           {k: v for k, v in out.headers.items()
+                            if k.startswith("x-embedfleet-") and not k.endswith("-inputs")})
 
     async def tei_tokenize(self, request: Request) -> Response:
         """TEI's /tokenize with the model's own tokenizer (offsets into the input text)."""

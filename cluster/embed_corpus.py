@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import concurrent.futures as cf
 import sys
 import time
@@ -35,6 +36,7 @@ import numpy as np
 from embedfleet.deployments.options import ROUTER_NAME
 
 PART_GLOB = "part-*.parquet"
+MIXED = "mixed"  # the calls of one block were answered by replicas of different fingerprints
 RETRYABLE_STATUS = (429, 503)
 
 
@@ -111,7 +113,7 @@ class JobSettings:
 
 def fingerprint_of(headers: dict[str, str]) -> str:
     """One string a vector store can compare: digest / dtype / engine / platform."""
-    return "/".join(headers.get(f"x-embedfleet-{k}", "?")
+    return "/".join(headers.get(f"x-embedfleet-{k}", MIXED)
                     for k in ("model-digest", "dtype", "engine", "platform"))
 
 
@@ -127,7 +129,7 @@ class BatchEmbedder:
         self.router = serve.get_deployment_handle(ROUTER_NAME, settings.app)
         self.pool = cf.ThreadPoolExecutor(settings.inflight)
 
-    def _call(self, texts: list[str], prompt: str | None, first_id: Any) -> Any:
+    def _call(self, texts: list[str], prompt: str | None, ids: list[Any]) -> Any:
         from ray.serve.exceptions import BackPressureError
 
         from embedfleet.deployments.contracts import BatchCall
@@ -141,42 +143,67 @@ class BatchEmbedder:
                 return self.router.embed_batch.remote(call).result()
             except EmbedfleetError as err:
                 if err.status not in RETRYABLE_STATUS:
-                    raise CorpusError(f"the batch starting at id {first_id!r} was refused "
+                    raise CorpusError(f"{refused_row(ids, err.message)} was refused "
                                       f"({err.status} {err.code}): {err.message}") from None
                 wait, why = err.retry_after_s or 1.0, f"{err.status}: {err.message}"
             except (BackPressureError, *REPLICA_GONE) as err:
                 wait, why = 1.0, type(err).__name__
             if time.monotonic() + wait > deadline:
-                raise CorpusError(f"the batch starting at id {first_id!r} could not be served "
+                raise CorpusError(f"the batch starting at id {ids[0]!r} could not be served "
                                   f"for {self.settings.max_retry_s:g}s; last: {why}")
             time.sleep(wait)
 
     def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, Any]:
-        ids = list(rows["id"])
-        keep = [i for i, x in enumerate(ids) if x not in self.done]
-        texts = [str(rows["text"][i]) for i in keep]
-        prompts = ([None if p is None else str(p) for p in (rows["prompt_name"][i] for i in keep)]
-                   if "prompt_name" in rows else [None] * len(keep))
+        ids = [_missing_to_none(x) for x in rows["id"].tolist()]
+        texts_in = rows["text"].tolist()
+        prompts_in = (rows["prompt_name"].tolist() if "prompt_name" in rows
+                      else [None] * len(ids))
+        keep: list[int] = []
+        for i, x in enumerate(ids):
+            if x is None:
+                raise CorpusError(f"a row has no id (its text begins {str(texts_in[i])[:40]!r})")
+            if x in self.done:
+                continue
+            if not isinstance(texts_in[i], str) or not texts_in[i]:
+                raise CorpusError(f"row id {x!r} has no text ({texts_in[i]!r})")
+            keep.append(i)
+        texts = [texts_in[i] for i in keep]
+        prompts = [_missing_to_none(prompts_in[i]) or None for i in keep]
         # One call per run of the same prompt_name, at most batch_size texts each.
         calls: list[tuple[int, int]] = []
         start = 0
         for k in range(1, len(keep) + 1):
-            if k == len(keep) or prompts[k] != prompts[start] or k - start == self.settings.batch_size:
+            if (k == len(keep) or prompts[k] != prompts[start]
+                    or k - start == self.settings.batch_size):
                 calls.append((start, k))
                 start = k
-        futures = [self.pool.submit(self._call, texts[a:b], prompts[a], ids[keep[a]])
+        futures = [self.pool.submit(self._call, texts[a:b], prompts[a],
+                                    [ids[i] for i in keep[a:b]])
                    for a, b in calls if b > a]
         results = [f.result() for f in futures]
         if not results:
             return {"id": np.asarray([], dtype=object), "tokens": np.zeros(0, np.int64),
-                    "fingerprint": np.asarray([], dtype=object),
-                    "embedding": np.zeros((0, 0), np.float32)}
+                    "fingerprint": np.asarray([], dtype=object)}
         prints = {fingerprint_of(r.fingerprint) for r in results}
         return {"id": np.asarray([ids[i] for i in keep], dtype=object),
                 "embedding": np.concatenate([r.vectors for r in results]).astype(np.float32),
                 "tokens": np.asarray([t for r in results for t in r.tokens], np.int64),
-                "fingerprint": np.asarray([prints.pop() if len(prints) == 1 else "mixed"]
+                "fingerprint": np.asarray([prints.pop() if len(prints) == 1 else MIXED]
                                           * len(keep), dtype=object)}
+
+
+def refused_row(ids: list[Any], message: str) -> str:
+    """The row a refusal names (the pipeline says ``input[k]``; calls are one slice, <= 128
+    texts), or the batch's first row when it names none."""
+    m = re.match(r"input\[(\d+)\]", message)
+    if m and int(m.group(1)) < len(ids):
+        return f"row id {ids[int(m.group(1))]!r}"
+    return f"the batch starting at id {ids[0]!r}"
+
+
+def _missing_to_none(x: Any) -> Any:
+    """Ray Data hands a missing value as None, or as NaN in a column it typed as float."""
+    return None if x is None or (isinstance(x, float) and x != x) else x
 
 
 def write_part(out: Path, batch: dict[str, np.ndarray]) -> int:
@@ -250,7 +277,10 @@ def run(input_path: Path, out: Path, settings: JobSettings, workers: int,
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         read = ray.data.read_json if kind == "json" else ray.data.read_parquet
         # Read tasks are light; the engines may hold every whole CPU of a node.
-        ds = read(files, num_cpus=0.1)
+        # Blocks of at most one part's rows: a part is what a worker returns for one block,
+        # and what a kill can lose.
+        ds = read(files, num_cpus=0.1).repartition(
+            target_num_rows_per_block=settings.batch_size * settings.inflight)
         progress = Progress(total, len(done))
         if len(done) >= total:
             progress.add(0, 0, final=True)
@@ -265,6 +295,9 @@ def run(input_path: Path, out: Path, settings: JobSettings, workers: int,
             if len(batch["id"]) == 0:
                 continue
             got = str(batch["fingerprint"][0])
+            if MIXED in got.split("/") or got == MIXED:
+                raise CorpusError(f"replicas of different model fingerprints served one block "
+                                  f"(a rolling update?): {got}; run the job again when it is done")
             if fingerprint is None:
                 fingerprint = got
             elif got != fingerprint:
@@ -274,19 +307,51 @@ def run(input_path: Path, out: Path, settings: JobSettings, workers: int,
             written += n
             progress.add(n, int(np.sum(batch["tokens"])))
         progress.add(0, 0, final=True)
-        return {"embedded": written, "held": len(done) + written, "total": total,
+        held = len(finished_ids(out)[0])
+        if held != total:
+            raise CorpusError(f"{out} holds {held:,} distinct ids for {total:,} input rows: the "
+                              "input repeats ids, or the folder holds another corpus's parts")
+        return {"embedded": written, "held": held, "total": total,
                 "texts_per_s": progress.texts_per_s}
     finally:
         ray.shutdown()
 
 
+def corpus_error(exc: BaseException) -> str | None:
+    """The job's own reason to stop, also when a worker raised it: Ray Data re-raises a worker's
+    exception wrapped (``UserCodeException`` in a ``RayTaskError``), the message kept in text."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, CorpusError):
+            return str(seen)
+        seen = getattr(seen, "cause", None) or seen.__cause__ or seen.__context__
+    marker = f"{CorpusError.__name__}: "
+    text = str(exc)
+    if marker in text:
+        return text[text.rindex(marker) + len(marker):].strip().splitlines()[0]
+    return None
+
+
 def cmd_embed_corpus(args: argparse.Namespace) -> int:
+    from embedfleet.deployments.request_path.pipeline import SLICE_INPUTS
+
+    # One call is one slice of the pipeline, so a refusal's input[k] names the row.
+    if not 1 <= args.batch_size <= SLICE_INPUTS or args.inflight < 1 or args.workers < 1:
+        print(f"error: --batch-size must be 1..{SLICE_INPUTS} (got {args.batch_size}), "
+              f"--inflight and --workers >= 1 (got {args.inflight}, {args.workers})",
+              file=sys.stderr)
+        return 2
     settings = JobSettings(args.app, args.model, args.batch_size, args.inflight,
                            args.max_retry_s)
     try:
         summary = run(Path(args.input), Path(args.out), settings, args.workers, args.address)
-    except CorpusError as err:
-        print(f"\nerror: {err}", file=sys.stderr)
+    except Exception as exc:
+        why = corpus_error(exc)
+        if why is None:
+            raise
+        print(f"\nerror: {why}", file=sys.stderr)
         return 2
     print(f"embedded {summary['embedded']:,} rows in this run; {args.out} holds "
           f"{summary['held']:,} of {summary['total']:,} ({summary['texts_per_s']:,.0f} texts/s)")
@@ -306,7 +371,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--workers", type=int, default=2, help="Ray Data workers (default: 2)")
     # A call's tokens above the replica's admission budget (`admission.max_tokens`) run alone;
     # the defaults keep calls of short texts within the CPU profile's small test budgets.
-    p.add_argument("--batch-size", type=int, default=64, help="texts per call (default: 64)")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="texts per call, at most 128 (default: 64)")
     p.add_argument("--inflight", type=int, default=2,
                    help="calls each worker keeps in flight (default: 2); a part holds "
                    "batch-size x inflight rows")

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 
-from tests.conftest import EMBEDFLEET, MINILM, ROOT
+from tests.conftest import EMBEDFLEET, MINILM, ROOT, TINY_QWEN3
 
 pytestmark = pytest.mark.cluster
 ROWS = 10_000
@@ -30,9 +30,9 @@ def corpus_text(i: int) -> str:
     return f"passage {i}: " + " ".join(f"word{(i * 7 + k) % 997}" for k in range(1 + i % 6))
 
 
-def start_job(src, out, *extra: str) -> subprocess.Popen:
+def start_job(src, out, *extra: str, model: str = MINILM) -> subprocess.Popen:
     return subprocess.Popen(
-        [EMBEDFLEET, "embed-corpus", str(src), "--model", MINILM, "--out", str(out), *extra],
+        [EMBEDFLEET, "embed-corpus", str(src), "--model", model, "--out", str(out), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "RAY_AUTH_MODE": "token"}, start_new_session=True)
 
@@ -61,6 +61,7 @@ def test_a_killed_corpus_job_resumes_to_exactly_every_id_with_the_online_vectors
     deadline = time.monotonic() + 300
     while rows_in(out) < 1024 and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert job.poll() is None, f"the job ended before it could be killed: {job.stderr.read()}"
     os.killpg(job.pid, signal.SIGKILL)
     t_kill = time.monotonic()
     _, err = job.communicate(timeout=60)
@@ -108,3 +109,18 @@ def test_a_killed_corpus_job_resumes_to_exactly_every_id_with_the_online_vectors
     prints = set(table.column("fingerprint").to_pylist())
     assert prints == {"/".join(resp.headers[f"x-embedfleet-{k}"] for k in
                                ("model-digest", "dtype", "engine", "platform"))}, prints
+
+
+def test_a_text_the_model_rejects_stops_the_job_naming_its_id(cluster, tmp_path):
+    # tiny-qwen3 rejects inputs over its 4,096 positions (long_input.mode: reject).
+    src = tmp_path / "corpus.jsonl"
+    rows = [{"id": "short-1", "text": "a short passage"},
+            {"id": "far-too-long", "text": "word " * 6000},
+            {"id": "short-2", "text": "another short passage", "prompt_name": "query"}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = start_job(src, tmp_path / "vectors", model=TINY_QWEN3)
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 2, err[-3000:]
+    assert "error: row id 'far-too-long' was refused (400 context_length_exceeded)" in err, \
+        err[-3000:]
+    assert "Traceback" not in err, err[-3000:]

@@ -85,11 +85,18 @@ def embedder(router, batch_size=2, done=frozenset()):
     return e
 
 
+def ray_batch(**columns) -> dict[str, np.ndarray]:
+    """A numpy batch the way Ray Data hands one to a worker (from an Arrow block)."""
+    import pyarrow as pa
+    from ray.data.block import BlockAccessor
+
+    return BlockAccessor.for_block(pa.table(columns)).to_batch_format("numpy")
+
+
 def test_a_block_is_sent_in_runs_of_one_prompt_on_the_bulk_lane_skipping_finished_ids():
     router = StandInRouter()
-    rows = {"id": np.asarray(["a", "b", "c", "d", "e"], dtype=object),
-            "text": np.asarray(["t1", "t22", "t333", "t4", "t5"], dtype=object),
-            "prompt_name": np.asarray(["q", "q", "q", None, "q"], dtype=object)}
+    rows = ray_batch(id=["a", "b", "c", "d", "e"], text=["t1", "t22", "t333", "t4", "t5"],
+                     prompt_name=["q", "q", "q", None, "q"])
     out = embedder(router, done=frozenset({"b"}))(rows)
     assert [(c.texts, c.prompt_name, c.lane) for c in router.calls] == [
         (["t1", "t333"], "q", "bulk"), (["t4"], None, "bulk"), (["t5"], "q", "bulk")]
@@ -101,11 +108,44 @@ def test_a_block_is_sent_in_runs_of_one_prompt_on_the_bulk_lane_skipping_finishe
 
 def test_a_refused_batch_is_retried_after_its_retry_after_and_a_rejected_text_stops_the_job():
     router = StandInRouter([Overloaded("bulk queue full", retry_after_s=0.01)])
-    rows = {"id": np.asarray([7, 8], dtype=object), "text": np.asarray(["x", "y"], dtype=object)}
+    rows = ray_batch(id=[7, 8], text=["x", "y"])
     out = embedder(router)(rows)
     assert len(router.calls) == 2 and list(out["id"]) == [7, 8]
 
-    router = StandInRouter([InputTooLong("input has 900 tokens", param="input")])
-    with pytest.raises(ec.CorpusError, match=r"starting at id 7 was refused \(400 "
-                                             r"context_length_exceeded\): input has 900"):
+    router = StandInRouter([InputTooLong("input[1] has 900 tokens", param="input")])
+    with pytest.raises(ec.CorpusError, match=r"row id 8 was refused \(400 "
+                                             r"context_length_exceeded\): input\[1\] has 900"):
         embedder(router)(rows)
+
+
+def test_missing_values_as_ray_data_types_them_never_reach_the_fleet():
+    # A JSONL block whose prompt_name is null on every row: Ray Data hands it as float NaN.
+    rows = ray_batch(id=[1, 2], text=["x", "y"], prompt_name=pa_nulls(2))
+    router = StandInRouter()
+    embedder(router)(rows)
+    assert [c.prompt_name for c in router.calls] == [None]
+    with pytest.raises(ec.CorpusError, match=r"row id 2 has no text"):
+        embedder(StandInRouter())(ray_batch(id=[1, 2], text=["x", None]))
+    with pytest.raises(ec.CorpusError, match="a row has no id"):
+        embedder(StandInRouter())(ray_batch(id=["a", None], text=["x", "y"]))
+
+
+def pa_nulls(n: int):
+    import pyarrow as pa
+
+    return pa.nulls(n)
+
+
+def test_the_reason_a_worker_stopped_the_job_reaches_the_user():
+    try:
+        try:
+            raise ec.CorpusError("row id 'x' has no text")
+        except ec.CorpusError as err:
+            raise RuntimeError("UserCodeException") from err
+    except RuntimeError as wrapped:
+        assert ec.corpus_error(wrapped) == "row id 'x' has no text"
+    # Ray keeps only the text of a remote cause: the last CorpusError line is the reason.
+    remote = RuntimeError("ray::MapWorker() (pid=1)\n  File ...\nembedfleet.cluster."
+                          "embed_corpus.CorpusError: the batch starting at id 7 was refused\n")
+    assert ec.corpus_error(remote) == "the batch starting at id 7 was refused"
+    assert ec.corpus_error(ValueError("a bug")) is None

@@ -129,6 +129,25 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       contains=("'PENDING_CREATION'", "'DEPENDENCIES_UNREADY'", "'RESTARTING'", "'ALIVE'"),
       used_by="deployments/control/placement.py: the state of an actor waiting for resources; "
               "ReplicaActors' live states"),
+    # -- Ray Data (cluster/embed_corpus.py: `embedfleet embed-corpus`) ---------------------------
+    *(T("data/__init__.py", n, used_by="cluster/embed_corpus.py")
+      for n in ("read_json", "read_parquet", "ActorPoolStrategy", "DataContext")),
+    T("data/read_api.py", "read_json", ("paths", "num_cpus"), used_by="cluster/embed_corpus.py"),
+    T("data/read_api.py", "read_parquet", ("paths", "num_cpus"),
+      used_by="cluster/embed_corpus.py"),
+    T("data/dataset.py", "Dataset.repartition", ("target_num_rows_per_block",),
+      used_by="cluster/embed_corpus.py: blocks of one part's rows"),
+    T("data/dataset.py", "Dataset.map_batches",
+      ("fn", "batch_size", "compute", "batch_format", "fn_constructor_args", "num_cpus"),
+      used_by="cluster/embed_corpus.py"),
+    T("data/dataset.py", "Dataset.iter_batches", ("batch_size", "batch_format"),
+      used_by="cluster/embed_corpus.py: one output block at a time (batch_size=None)"),
+    T("data/_internal/compute.py", "ActorPoolStrategy.__init__", ("size",),
+      used_by="cluster/embed_corpus.py"),
+    T("data/context.py", "DataContext.enable_progress_bars",
+      used_by="cluster/embed_corpus.py: the job prints its own progress"),
+    T("data/block.py", "BlockAccessor.to_batch_format",
+      used_by="tests/test_embed_corpus.py: batches as a worker gets them"),
     # -- Serve: the API ------------------------------------------------------------------------
     *(T("serve/__init__.py", n, used_by=u) for n, u in (
         ("deployment", "deployments/app.py, deployments/control/registry.py"),

@@ -272,9 +272,9 @@ def run(input_path: Path, out: Path, settings: JobSettings, workers: int,
     done, fingerprint = finished_ids(out)
     ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
     try:
+        logging.getLogger("ray.data").setLevel(logging.ERROR)  # (it warns of what we set next)
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False  # the job prints its own (rows, tokens/s, ETA)
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
         read = ray.data.read_json if kind == "json" else ray.data.read_parquet
         # Read tasks are light; the engines may hold every whole CPU of a node.
         # Blocks of at most one part's rows: a part is what a worker returns for one block,
@@ -289,7 +289,10 @@ def run(input_path: Path, out: Path, settings: JobSettings, workers: int,
         embedded = ds.map_batches(
             BatchEmbedder, fn_constructor_args=(settings, done_ref),
             batch_size=settings.batch_size * settings.inflight, batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=0.1)
+            compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=0.1,
+            # A worker that dies fails the job instead of restarting: a rerun resumes, and Ray
+            # warns on every run about restarting actors whose arguments live in the store.
+            max_restarts=0)
         written = 0
         for batch in embedded.iter_batches(batch_size=None, batch_format="numpy"):
             if len(batch["id"]) == 0:

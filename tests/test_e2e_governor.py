@@ -4,7 +4,8 @@ real load on ``minilm-autoscale`` -> the engine worker's memory probe and vLLM's
 the replica's card terms -> Ray's metrics agent -> Prometheus' recording rule (live pressure) ->
 MemoryGovernor -> the replica's admission budget. The CPU profile's card is the stand-in card
 model of ``deployments/engine/card_memory.py`` (weights + KV pool + activations of the engine worker,
-448 MiB in tests/configs/e2e-cpu.yaml), so a loaded card crosses ``high``.
+512 MiB in tests/configs/e2e-cpu.yaml, 384 of it
+minilm-autoscale's capacity beside its 128 MiB KV pool), so a loaded card crosses ``high``.
 """
 
 from __future__ import annotations

@@ -307,10 +307,11 @@ def run(input_path: Path, out: Path, settings: JobSettings, workers: int,
                 raise CorpusError(f"the model now serves fingerprint {got}, but {out} holds "
                                   f"vectors of {fingerprint}; use a new --out")
             n = write_part(out, batch)
+            done.update(np.asarray(batch["id"]).tolist())
             written += n
             progress.add(n, int(np.sum(batch["tokens"])))
         progress.add(0, 0, final=True)
-        held = len(finished_ids(out)[0])
+        held = len(done)  # distinct ids in the folder: the finished parts' plus this run's
         if held != total:
             raise CorpusError(f"{out} holds {held:,} distinct ids for {total:,} input rows: the "
                               "input repeats ids, or the folder holds another corpus's parts")

@@ -65,11 +65,15 @@ class ApiRoutes:
         except Exception as exc:
             return internal_error_response(exc, where)
         finally:
-            model = seen[-1] if seen and seen[-1] in self.pipeline.models else "_unknown"
-            self._rec.inc("embedfleet_requests_total", 1,
-                          {"model": model, "api": api, "status_code": str(status)})
-            self._rec.observe("embedfleet_request_latency_seconds", time.perf_counter() - t0,
-                              {"model": model, "api": api})
+            self._record(api, seen[-1] if seen else "", status, t0)
+
+    def _record(self, api: str, model: str, status: int, t0: float) -> None:
+        """One request's count and latency (an unknown model's name is never a label value)."""
+        model = model if model in self.pipeline.models else "_unknown"
+        self._rec.inc("embedfleet_requests_total", 1,
+                      {"model": model, "api": api, "status_code": str(status)})
+        self._rec.observe("embedfleet_request_latency_seconds", time.perf_counter() - t0,
+                          {"model": model, "api": api})
 
     def _served(self, model: str, n: int, tokens: int) -> None:
         self._rec.inc("embedfleet_inputs_total", n, {"model": model})
@@ -117,7 +121,6 @@ class ApiRoutes:
         retries 429/503 by their ``retry_after_s`` and stops on a 4xx."""
         request_id = f"batch-{uuid.uuid4().hex[:16]}"
         t0, status = time.perf_counter(), 500
-        model = call.model if call.model in self.pipeline.models else "_unknown"
         try:
             out = await self.pipeline.run(EmbedRequest(call.model, call.texts, "texts",
                                                        prompt_name=call.prompt_name,
@@ -127,10 +130,7 @@ class ApiRoutes:
             status = err.status
             raise
         finally:
-            self._rec.inc("embedfleet_requests_total", 1,
-                          {"model": model, "api": "batch", "status_code": str(status)})
-            self._rec.observe("embedfleet_request_latency_seconds", time.perf_counter() - t0,
-                              {"model": model, "api": "batch"})
+            self._record("batch", call.model, status, t0)
         self._served(call.model, len(out.vectors), out.prompt_tokens)
         return BatchResult(out.vectors, tuple(r.input_tokens for r in out.inputs),
                            {k: v for k, v in out.headers.items()

@@ -5,8 +5,9 @@ the Ray actor options of each deployment (``deployment_options``), and the vLLM 
 each replica (``engine_kwargs``). Invalid configs fail at load with a message naming the field and
 the value (pydantic's errors carry the field path; our validators put the values in the message).
 
-Two sections live in their own modules: where a model's weights come from (``model_source.py``)
-and the ``cluster`` section that only the 910B manifests read (``config_cluster.py``).
+Three sections live in their own modules: where a model's weights come from (``model_source.py``),
+a model's ``routing`` (``config_routing.py``) and the ``cluster`` section that only the 910B
+manifests read (``config_cluster.py``).
 """
 
 from __future__ import annotations
@@ -15,21 +16,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-    ValidationError,
-    model_validator,
-)
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt,
+                      PositiveFloat, PositiveInt, ValidationError, model_validator)
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 
 from embedfleet.deployments.config_cluster import ClusterDeployConfig
+from embedfleet.deployments.config_routing import RoutingConfig
 from embedfleet.deployments.contracts import Ceiling
 from embedfleet.deployments.model_source import ModelSource
 from embedfleet.deployments.control.governor_config import GovernorConfig
@@ -164,6 +157,7 @@ class ModelConfig(_Strict):
         default=300, description="Seconds between prefix-cache canary runs (where it is on)."
     )
     replicas: ReplicaBounds = ReplicaBounds()
+    routing: RoutingConfig = RoutingConfig()
     admission: AdmissionConfig = AdmissionConfig()
     long_input: LongInputPolicy = Field(
         default_factory=LongInputPolicy,

@@ -222,6 +222,13 @@ class ReplicaDescription(_Model):
     seen_at: float = 0.0
 
 
+class RoutingStats(_Model):
+    """What a replica tells Serve's request router every few seconds (``record_routing_stats``;
+    Serve carries it as a dict): whether a call's prefix can hit its cache now."""
+
+    prefix_cache: bool
+
+
 class Override(_Model):
     """Prefix caching switched off for a model by a failed canary (kept until cleared)."""
 

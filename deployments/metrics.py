@@ -6,7 +6,7 @@ with a ``ray_`` prefix, so ``embedfleet_requests_total`` is scraped as
 every name they use is declared here (``EXPORTED_NAMES``).
 
 Label values are bounded: ``model`` comes from the config, ``api`` and ``status_code`` from the small
-sets below, ``node`` / ``device`` from the cluster's cards.
+sets below, ``outcome`` from its two values, ``node`` / ``device`` from the cluster's cards.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ SPECS: tuple[MetricSpec, ...] = (
                "Inputs (texts or token lists) embedded.", ("model",)),
     MetricSpec("embedfleet_input_tokens_total", "counter",
                "Prompt tokens embedded (what `usage` reports).", ("model",)),
+    MetricSpec("embedfleet_affinity_routed_total", "counter",
+               "Calls with a prefix-affinity key, by where they went: the key's preferred replica, "
+               "or another (spilled: the preferred one was over its bounded load or full).",
+               ("model", "outcome")),
     MetricSpec("embedfleet_overload_rejections_total", "counter",
                "Requests refused before any work: 429 when a model's queue or budget was full, "
                "503 at once when it has no ready replica and none starting "
@@ -105,9 +109,10 @@ SPECS: tuple[MetricSpec, ...] = (
                "The replica's own reading of the governor's signal (live / capacity).",
                ("node", "device")),
     MetricSpec("embedfleet_prompt_tokens_total", "counter",
-               "Prompt tokens sent into the engine.", ("model",)),
+               "Prompt tokens sent into the engine on this card.", ("model", "node", "device")),
     MetricSpec("embedfleet_prefix_cache_hit_tokens_total", "counter",
-               "Prompt tokens served from vLLM's prefix cache (num_cached_tokens).", ("model",)),
+               "Prompt tokens served from vLLM's prefix cache (num_cached_tokens) on this card.",
+               ("model", "node", "device")),
     MetricSpec("embedfleet_prefix_cache_enabled", "gauge",
                "1 when prefix caching is on for the model's replicas.", ("model",)),
     MetricSpec("embedfleet_canary_last_cosine", "gauge",

@@ -34,8 +34,15 @@ HEAD_ENV_VARS = {
 }
 
 
+ENGINE_PREFIX = "engine-"
+
+
 def engine_deployment_name(model: str) -> str:
-    return f"engine-{model}"
+    return f"{ENGINE_PREFIX}{model}"
+
+
+def model_of_deployment(deployment: str) -> str:
+    return deployment.removeprefix(ENGINE_PREFIX)
 
 
 def card_actor_options(cfg: EmbedfleetConfig) -> dict[str, Any]:
@@ -92,6 +99,20 @@ def serve_queue_limits(m: ModelConfig) -> dict[str, int]:
     return {"max_ongoing_requests": per_replica, "max_queued_requests": per_replica}
 
 
+AFFINITY_ROUTER_CLASS = "embedfleet.deployments.request_path.affinity:PrefixAffinityRouter"
+# How often Serve asks each replica whether its prefix cache is on (``record_routing_stats``):
+# a replica whose canary switched the cache off stops getting keyed calls within this time.
+ROUTING_STATS_PERIOD_S = 5
+
+
+def affinity_router_config(m: ModelConfig) -> dict[str, Any]:
+    """Serve's ``request_router_config`` for prefix affinity (each Router replica builds one
+    router per engine deployment, from this)."""
+    return {"request_router_class": AFFINITY_ROUTER_CLASS,
+            "request_router_kwargs": m.routing.router_kwargs(),
+            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
+
+
 def engine_deployment_options(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str, Any]:
     r = m.replicas
     opts: dict[str, Any] = {
@@ -102,6 +123,8 @@ def engine_deployment_options(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str
         "health_check_timeout_s": cfg.health_check_timeout_s,
         "graceful_shutdown_timeout_s": 30,
     }
+    if m.routing.affinity(m.prefix_cache):
+        opts["request_router_config"] = affinity_router_config(m)
     if r.fixed:
         opts["num_replicas"] = r.min_replicas
     else:

@@ -27,7 +27,7 @@ from embedfleet.deployments import metrics
 from embedfleet.deployments.api.tei import tokenize_tei
 from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig, parse_config
 from embedfleet.deployments.contracts import (CanaryView, EmbedCall, EmbedResult, Fingerprint,
-                                              ReplicaDescription)
+                                              ReplicaDescription, RoutingStats)
 from embedfleet.deployments.control.governor import RayMetricsSink
 from embedfleet.deployments.control.limits import LimitsFollower
 from embedfleet.deployments.control.prefix_cache import PrefixCacheController
@@ -122,7 +122,7 @@ class EngineReplica:
             prompts=m.prompts, reads_cache=lambda: self.prefix.reads_cache,
             fingerprint=self.fingerprint, replica_id=self.replica_id,
             hold_s=m.replicas.cold_start_hold_s, retry_after_s=cfg.router.retry_after_s,
-            recorder=self.recorder)
+            recorder=self.recorder, card_tags={"node": self.card.node, "device": self.card.device})
         if engine.info.prefix_caching:
             await self.prefix.prove()  # prove cache hits before serving; switches off on failure
         self.follower = LimitsFollower(
@@ -193,6 +193,11 @@ class EngineReplica:
 
     def describe(self) -> ReplicaDescription:
         return self.reporter.describe()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's request router polls this (``deployments/request_path/affinity.py``): a
+        replica whose prefix cache is off gets no prefix-affinity preference."""
+        return RoutingStats(prefix_cache=self.prefix.reads_cache).model_dump()
 
     async def check_health(self) -> None:
         """Serve's health check: really embed something, within a bound.

@@ -20,6 +20,8 @@ INPUT_TOKENS_RATE = "model:embedfleet_input_tokens:rate5m"
 OVERLOAD_REJECTIONS_RATE = "model_reason:embedfleet_overload_rejections:rate5m"
 PREFIX_CACHE_HIT_RATIO = "model:embedfleet_prefix_cache_hit_tokens:ratio_rate5m"
 REPLICAS_READY = "model:embedfleet_replica_ready:sum"
+# Per model and outcome (preferred, spilled): prefix-affinity routing's calls.
+AFFINITY_ROUTED_RATE = "model_outcome:embedfleet_affinity_routed:rate5m"
 
 # Per card (labels: node, device).
 CARD_MEMORY_RATIO = "card:embedfleet_memory:ratio"
@@ -28,6 +30,10 @@ The memory governor runs exactly this query (an instant query of the recording r
 card-memory alert fires on it."""
 BUDGET_FILL_RATIO = "card:embedfleet_budget_fill:ratio"
 """In-flight / budget for the tighter of the two admission budgets (tokens, sequences)."""
+CARD_PREFIX_CACHE_HIT_RATIO = "card:embedfleet_prefix_cache_hit_tokens:ratio_rate5m"
+"""Per (model, node, device): prompt tokens served from that replica's prefix cache. With
+prefix-affinity routing each replica keeps its own keys' prefixes warm, so this stays high on
+every card; a card far below the others is getting keys it does not own."""
 
 
 def series(metric: str, *matchers: str) -> str:

@@ -115,6 +115,8 @@ NEEDS_EVENT = {
     "Canary failures (1h)": "a failed canary in the last hour "
                             "(tests/test_e2e_prefix_cache.py arms the fault injector)",
     "Card memory ratio": "card memory exported by the replicas / governor readings",
+    "Prefix-affinity routing": "a tiny-qwen3 call routed by prefix affinity (its replica reports "
+                               "its cache on to Serve's router every 5 s: record_routing_stats)",
 }
 
 # Panels that legitimately return no series in this session, with the reason. A query listed
@@ -234,6 +236,21 @@ def test_panel_queries_run_for_each_model_selection_and_keep_to_it(traffic, serv
             for series in instant(substitute(q.expr, regex_value(selected))):
                 model = series["metric"].get("model")
                 assert model is None or model in selected, (q.name, selected, series["metric"])
+
+
+def test_prefix_affinity_keys_only_the_models_whose_replicas_cache(cluster, traffic):
+    """The router class from the config runs in the Router replicas: tiny-qwen3 (cache on) has
+    keyed calls, all to their preferred replica (it has one); MiniLM (cache off by policy) has
+    the same router but no keyed call, since its replicas report their cache off."""
+    routed = "ray_embedfleet_affinity_routed_total"
+    deadline = time.monotonic() + SERIES_WAIT_S
+    while not instant(f'{routed}{{model="{TINY_QWEN3}"}}') and time.monotonic() < deadline:
+        post(cluster, model=TINY_QWEN3, input="a query routed by its prefix")
+        time.sleep(POLL_S)
+    by = {(s["metric"]["model"], s["metric"]["outcome"]): float(s["value"][1])
+          for s in instant(f"sum by (model, outcome) ({routed})")}
+    assert by.get((TINY_QWEN3, "preferred"), 0) > 0, by
+    assert not any(m == MINILM for m, _ in by), by
 
 
 def _rules() -> list[tuple[str, dict]]:

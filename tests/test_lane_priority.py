@@ -49,7 +49,8 @@ def test_the_replica_path_sends_the_lane_to_vllm_as_its_priority(lane, priority)
     path.__dict__.update(
         queue=AdmissionBudget(8, 100), _gate=SimpleNamespace(use=use), _hold_s=1.0,
         _retry_after_s=1.0, _reads_cache=lambda: True, _replica_id="r", _rec=metrics.Batched(),
-        _tag={"model": "m"}, inflight_sequences=0, inflight_tokens=0, engine_failed=False,
+        _tag={"model": "m"}, _card_tag={"model": "m", "node": "n", "device": "0"},
+        inflight_sequences=0, inflight_tokens=0, engine_failed=False,
         fingerprint=lambda: Fingerprint("d", "float32", "e", "cpu", False),
         preparer=SimpleNamespace(finish=lambda p, vecs, **kw: vecs))
 

@@ -207,6 +207,10 @@ IMPORT_TOUCH_POINTS = {
     "ray.serve.exceptions:DeploymentUnavailableError":
         ("serve/exceptions.py", "DeploymentUnavailableError.message"),
     "ray.util:metrics": ("util/metrics.py", "Counter.__init__"),
+    "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter":
+        ("serve/_private/request_router/__init__.py", "PowerOfTwoChoicesRequestRouter"),
+    **{f"ray.serve.request_router:{n}": ("serve/request_router.py", n)
+       for n in ("PendingRequest", "ReplicaID", "RunningReplica")},
     "ray.util:get_node_ip_address": ("util/__init__.py", "get_node_ip_address"),
     "ray.util.state:list_actors": ("util/state/__init__.py", "list_actors"),
     "ray.experimental:internal_kv": ("experimental/internal_kv.py", "_internal_kv_put"),

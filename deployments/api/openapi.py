@@ -130,7 +130,8 @@ EMBED_HEADERS = {  # on every 200 of the embed routes (routes.py and pipeline.Em
         ("dtype", "Engine dtype."), ("engine", "Engine and version."),
         ("platform", "cpu, cuda or ascend."), ("prefix-cache", "on, off, or mixed."),
         ("truncated-inputs", "How many inputs the long-input policy truncated."),
-        ("chunked-inputs", "How many inputs were embedded in chunks and merged."))}}
+        ("chunked-inputs", "How many inputs were embedded in chunks and merged."),
+        ("replicas", "Comma-separated ids of the replicas that served the request."))}}
 
 _ROUTES: dict[str, dict[str, Any]] = {
     "/v1/embeddings": {"summary": "Embed texts or token ids (OpenAI's embeddings API)",

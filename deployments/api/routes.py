@@ -32,7 +32,8 @@ from ray.serve.exceptions import BackPressureError
 
 from embedfleet.deployments.errors import EmbedfleetError, EngineUnavailable, NotReady, \
     Overloaded, error_response, internal_error_response
-from embedfleet.deployments.request_path.pipeline import EmbedPipeline, EmbedRequest
+from embedfleet.deployments.request_path.pipeline import (REPLICAS_HEADER, EmbedPipeline,
+                                                         EmbedRequest)
 from embedfleet.deployments.request_path.remote import REPLICA_GONE
 
 Tokenizer = Callable[[str, list[str], bool, str | None], Awaitable[list]]
@@ -134,7 +135,8 @@ class ApiRoutes:
         self._served(call.model, len(out.vectors), out.prompt_tokens)
         return BatchResult(out.vectors, tuple(r.input_tokens for r in out.inputs),
                            {k: v for k, v in out.headers.items()
-                            if k.startswith("x-embedfleet-") and not k.endswith("-inputs")})
+                            if k.startswith("x-embedfleet-") and not k.endswith("-inputs")
+                            and k != REPLICAS_HEADER})
 
     async def tei_tokenize(self, request: Request) -> Response:
         """TEI's /tokenize with the model's own tokenizer (offsets into the input text)."""

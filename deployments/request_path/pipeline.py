@@ -32,6 +32,9 @@ SLICE_INPUTS = 128
 BULK_ROUTER_SHARE = 0.5  # of a model's router share (see EmbedPipeline.__init__)
 
 Caller = Callable[[EmbedCall], Awaitable[EmbedResult]]
+# Which replicas served the request (Serve replica ids): per-replica load and cache hits are
+# visible to a client, e.g. the prefix-affinity bench. Not part of the vectors' fingerprint.
+REPLICAS_HEADER = "x-embedfleet-replicas"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,7 @@ class EmbedPipeline:
                                     r.chunks, r.input_tokens)
                         for k, res in enumerate(results) for r in res.inputs)
         headers = {**merged_headers([r.fingerprint for r in results]),
-                   **long_input_headers(reports)}
+                   **long_input_headers(reports),
+                   REPLICAS_HEADER: ",".join(sorted({r.replica_id for r in results}))}
         return Embedded(vectors, sum(r.prompt_tokens for r in results),
                         sum(r.cached_tokens for r in results), reports, headers)

@@ -40,7 +40,7 @@ class RequestPath:
                  long_input: LongInputPolicy, prompts: PromptTemplates | None,
                  reads_cache: Callable[[], bool], fingerprint: Callable[[], Fingerprint],
                  replica_id: str, hold_s: float, retry_after_s: float,
-                 recorder: metrics.Batched) -> None:
+                 recorder: metrics.Batched, card_tags: dict[str, str]) -> None:
         self.model = model
         self._gate = gate
         self.queue = queue
@@ -53,6 +53,7 @@ class RequestPath:
         self._retry_after_s = retry_after_s
         self._rec = recorder
         self._tag = {"model": model}
+        self._card_tag = {"model": model, **card_tags}  # per-replica prefix-cache hit ratio
         self.inflight_sequences = 0
         self.inflight_tokens = 0
         self.last_progress = time.monotonic()
@@ -125,9 +126,9 @@ class RequestPath:
 
     def _record(self, tokens: int, cached: int, report, pieces: int, seconds: float) -> None:
         rec, tag = self._rec, self._tag
-        rec.inc("embedfleet_prompt_tokens_total", tokens, tag)
+        rec.inc("embedfleet_prompt_tokens_total", tokens, self._card_tag)
         if cached:
-            rec.inc("embedfleet_prefix_cache_hit_tokens_total", cached, tag)
+            rec.inc("embedfleet_prefix_cache_hit_tokens_total", cached, self._card_tag)
         truncated = [r for r in report if r.truncated]
         if truncated:
             rec.inc("embedfleet_truncated_inputs_total", len(truncated), tag)

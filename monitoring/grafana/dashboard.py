@@ -257,6 +257,18 @@ SECTIONS: list[tuple[str, list[dict]]] = [
         _panel("timeseries", "Prefix-cache hit ratio", "Prompt tokens served from the cache.",
                [(f"{q.PREFIX_CACHE_HIT_RATIO}{{{MODEL}}}", "{{model}}")],
                unit="percentunit", min_=0, max_=1),
+        _panel("timeseries", "Prefix-cache hit ratio per replica",
+               "Prompt tokens served from each card's own prefix cache. Prefix-affinity routing "
+               "sends calls whose prompts start alike to the same replica, so every card "
+               "should read about the same; one far below the others gets keys it does not own.",
+               [(f"{q.CARD_PREFIX_CACHE_HIT_RATIO}{{{MODEL}}}", "{{model}} " + CARD)],
+               unit="percentunit", min_=0, max_=1),
+        _panel("timeseries", "Prefix-affinity routing",
+               "Keyed calls per second by where they went: the replica that owns the key "
+               "(preferred), or another because the owner was over its bounded load or full "
+               "(spilled). Models routed by power-of-two choice have no series.",
+               [(f"{q.AFFINITY_ROUTED_RATE}{{{MODEL}}}", "{{model}} {{outcome}}")],
+               unit="reqps", min_=0),
         _panel("stat", "Prefix cache", "On/off per model (the policy or the canary decides).",
                [(f"max by (model) ({_raw('prefix_cache_enabled', MODEL)})", "{{model}}")],
                mappings=[{"type": "value", "options": {

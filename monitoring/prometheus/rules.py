@@ -24,6 +24,7 @@ INPUT_TOKENS = "ray_embedfleet_input_tokens_total"
 OVERLOAD = "ray_embedfleet_overload_rejections_total"
 PROMPT_TOKENS = "ray_embedfleet_prompt_tokens_total"
 HIT_TOKENS = "ray_embedfleet_prefix_cache_hit_tokens_total"
+AFFINITY_ROUTED = "ray_embedfleet_affinity_routed_total"
 REPLICA_READY = "ray_embedfleet_replica_ready"
 MEM_USED = "ray_embedfleet_card_memory_used_bytes"
 MEM_TOTAL = "ray_embedfleet_card_memory_total_bytes"
@@ -103,6 +104,9 @@ RECORDING_RULES: tuple[Recording, ...] = (
     Recording(q.OVERLOAD_REJECTIONS_RATE, f"sum by (model, reason) ({_rate(OVERLOAD)})"),
     Recording(q.PREFIX_CACHE_HIT_RATIO,
               _ratio_or_zero(_rate(HIT_TOKENS), _rate(PROMPT_TOKENS), "model")),
+    Recording(q.CARD_PREFIX_CACHE_HIT_RATIO,
+              _ratio_or_zero(_rate(HIT_TOKENS), _rate(PROMPT_TOKENS), "model, node, device")),
+    Recording(q.AFFINITY_ROUTED_RATE, f"sum by (model, outcome) ({_rate(AFFINITY_ROUTED)})"),
     # max per card first: a replica restarted on the same card is counted once.
     Recording(q.REPLICAS_READY,
               f"sum by (model) (max by (model, node, device) ({series(REPLICA_READY)}))"),

@@ -46,7 +46,7 @@ T = RayTouchPoint
 # and Deployment.options(...), and that cluster/render.py emits per deployment in the Serve YAML.
 DEPLOYMENT_OPTIONS = ("name", "num_replicas", "ray_actor_options", "max_ongoing_requests",
                       "max_queued_requests", "health_check_period_s", "health_check_timeout_s",
-                      "graceful_shutdown_timeout_s", "autoscaling_config")
+                      "graceful_shutdown_timeout_s", "autoscaling_config", "request_router_config")
 # deployments/options.py engine_deployment_options: autoscaling_config keys.
 AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests",
                     "upscale_delay_s", "downscale_delay_s")
@@ -148,6 +148,41 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="cluster/embed_corpus.py: the job prints its own progress"),
     T("data/block.py", "BlockAccessor.to_batch_format",
       used_by="tests/test_embed_corpus.py: batches as a worker gets them"),
+    # -- Serve's request router (deployments/request_path/affinity.py: prefix affinity) --------
+    *(T("serve/request_router.py", n, used_by="deployments/request_path/affinity.py")
+      for n in ("PendingRequest", "ReplicaID", "RunningReplica")),
+    T("serve/_private/request_router/__init__.py", "PowerOfTwoChoicesRequestRouter",
+      used_by="deployments/request_path/affinity.py: the base class (Serve's default router)"),
+    T("serve/_private/request_router/pow_2_router.py",
+      "PowerOfTwoChoicesRequestRouter.choose_replicas", ("candidate_replicas", "pending_request"),
+      used_by="affinity.py: the power-of-two rank, called through super()"),
+    T("serve/_private/request_router/request_router.py", "RequestRouter.__init__",
+      ("deployment_id", "handle_source", "use_replica_queue_len_cache"),
+      contains=("self._deployment_id = deployment_id", "self._replicas: Dict[ReplicaID, "
+                "RunningReplica] = {}", "self._replica_id_set: Set[ReplicaID] = set()"),
+      used_by="affinity.py reads _deployment_id, _replicas, _replica_id_set; "
+              "tests/test_affinity_router.py builds one"),
+    *(T("serve/_private/request_router/request_router.py", f"RequestRouter.{n}", params,
+        used_by="deployments/request_path/affinity.py")
+      for n, params in (("initialize_state", ()), ("update_replicas", ("replicas",)),
+                        ("on_request_routed", ("pending_request", "replica_id", "result")),
+                        ("replica_queue_len_cache", ()),
+                        ("_choose_replica_for_request", ("pending_request",)))),
+    T("serve/_private/request_router/request_router.py",
+      "FIFOMixin._get_pending_request_matching_metadata", ("request_metadata",),
+      used_by="affinity.py: a keyed round's replica goes to its own request"),
+    T("serve/_private/request_router/common.py", "PendingRequest",
+      ("args", "kwargs", "metadata", "future", "routing_context"),
+      used_by="affinity.py reads args[0] (the EmbedCall) and metadata.call_method"),
+    T("serve/_private/request_router/common.py", "RequestRoutingContext", ("should_backoff",),
+      used_by="affinity.py sets should_backoff"),
+    T("serve/_private/request_router/replica_wrapper.py", "RunningReplica.routing_stats",
+      used_by="affinity.py: which replicas report their prefix cache on"),
+    T("serve/_private/constants.py", "REQUEST_ROUTING_STATS_METHOD",
+      value="record_routing_stats", used_by="deployments/replica.py record_routing_stats"),
+    T("serve/config.py", "RequestRouterConfig",
+      ("request_router_class", "request_router_kwargs", "request_routing_stats_period_s"),
+      used_by="deployments/options.py affinity_router_config"),
     # -- Serve: the API ------------------------------------------------------------------------
     *(T("serve/__init__.py", n, used_by=u) for n, u in (
         ("deployment", "deployments/app.py, deployments/control/registry.py"),

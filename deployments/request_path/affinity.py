@@ -1,0 +1,188 @@
+"""Prefix-affinity routing: Serve's request router for an engine deployment (``routing`` config).
+
+Where it runs: in each Router replica, one instance per engine deployment handle, on Serve's
+routing event loop (``deployments/options.py`` names this class in ``request_router_config``).
+Serve pickles the class by value, so it keeps no module-level state and imports only what a Router
+replica already has; it never blocks (no ``ray.get``, no tokenizer) and never raises out of
+``choose_replicas``: a raise there would leave the request unrouted.
+
+What it does (see ``config_routing.RoutingConfig``):
+* the key of an ``embed`` call is its ``prompt_name``, ``task`` (together: the instruction
+  template the replica renders) and the first input's head — what vLLM's prefix cache hashes
+  first. It is placed on a consistent-hash ring of the replicas (``vnodes`` points each, stable
+  hashes), so every Router replica prefers the same replica for a key with no shared state, and a
+  replica joining or leaving moves only its own arcs;
+* the preferred replica is tried first while it is under the bounded-load limit, then Serve's
+  power-of-two choice (its locality preference included) as the next rank; over the limit, or
+  without a key, power-of-two alone. Only replicas that report their prefix cache on
+  (``record_routing_stats``) are preferred: a model whose cache is off is routed as by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import logging
+import math
+import weakref
+from typing import Any
+
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+
+from embedfleet.deployments import metrics
+from embedfleet.deployments.contracts import RoutingStats
+from embedfleet.deployments.options import model_of_deployment
+
+logger = logging.getLogger("ray.serve")
+
+KEYED_METHODS = frozenset({"embed"})  # tokenize_tei runs no prefill: any replica will do
+SEP = b"\x1f"
+
+
+def stable_hash(data: bytes) -> int:
+    """Equal in every process (Python's ``hash`` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def affinity_key(call: Any, prefix_chars: int, prefix_tokens: int) -> bytes | None:
+    """The bytes that decide the preferred replica of an ``EmbedCall`` (None: no key)."""
+    inputs = getattr(call, "inputs", None)
+    if not inputs:
+        return None
+    first = inputs[0]
+    head = (first[:prefix_chars].encode("utf-8", "replace") if isinstance(first, str)
+            else b",".join(b"%d" % t for t in first[:prefix_tokens]))
+    return SEP.join(((call.prompt_name or "").encode(), (call.task or "").encode(), head))
+
+
+class HashRing:
+    """Replicas on a ring of ``vnodes`` points each; a key belongs to the next point clockwise."""
+
+    def __init__(self, vnodes: int) -> None:
+        self.vnodes = vnodes
+        self.members: frozenset[ReplicaID] = frozenset()
+        self._points: list[int] = []
+        self._owners: list[ReplicaID] = []
+
+    def rebuild(self, members: frozenset[ReplicaID]) -> None:
+        if members == self.members:
+            return
+        pts = sorted((stable_hash(f"{r.unique_id}#{i}".encode()), r)
+                     for r in members for i in range(self.vnodes))
+        self._points = [p for p, _ in pts]
+        self._owners = [r for _, r in pts]
+        self.members = members
+
+    def owner(self, key: bytes, alive: Any) -> ReplicaID | None:
+        """The first owner clockwise of ``key`` that is still in ``alive`` (a replica that died
+        since the last rebuild is skipped, and its keys go where a rebuild would send them)."""
+        n = len(self._points)
+        start = bisect.bisect_right(self._points, stable_hash(key))
+        for j in range(n):
+            rid = self._owners[(start + j) % n]
+            if rid in alive:
+                return rid
+        return None
+
+
+def under_bound(load: int, loads: list[int], load_factor: float) -> bool:
+    """Consistent hashing with bounded loads: one more call keeps the replica within
+    ``load_factor`` x the mean (the new call counted)."""
+    limit = math.ceil(load_factor * (sum(loads) + 1) / max(1, len(loads)))
+    return load + 1 <= limit
+
+
+class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ring = HashRing(64)
+        self._caching: frozenset[ReplicaID] = frozenset()
+        # The request each keyed routing round is for (see _get_pending_request_matching_metadata).
+        self._keyed: weakref.WeakValueDictionary[int, PendingRequest] = \
+            weakref.WeakValueDictionary()
+        self._rec = metrics.Batched()
+        self._flusher: asyncio.Task | None = None
+        self._model = model_of_deployment(self._deployment_id.name)
+        self.initialize_state()
+
+    def initialize_state(self, load_factor: float = 1.25, prefix_chars: int = 256,
+                         prefix_tokens: int = 64, vnodes: int = 64, **_unknown: Any) -> None:
+        self._load_factor = float(load_factor)
+        self._prefix_chars, self._prefix_tokens = int(prefix_chars), int(prefix_tokens)
+        if int(vnodes) != self._ring.vnodes:
+            self._ring = HashRing(int(vnodes))
+
+    # -- membership ------------------------------------------------------------------------------
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        try:
+            self._ring.rebuild(frozenset(self._replica_id_set))
+            self._caching = frozenset(r.replica_id for r in replicas if _caches(r))
+        except Exception:  # keep routing (power-of-two) whatever the stats say
+            logger.exception("prefix-affinity router: replica update failed")
+
+    # -- routing ---------------------------------------------------------------------------------
+    def preferred(self, pending_request: PendingRequest | None) -> ReplicaID | None:
+        if (pending_request is None or not pending_request.args
+                or pending_request.metadata.call_method not in KEYED_METHODS):
+            return None
+        key = affinity_key(pending_request.args[0], self._prefix_chars, self._prefix_tokens)
+        if key is None:
+            return None
+        rid = self._ring.owner(key, self._replicas)
+        return rid if rid in self._caching else None
+
+    def _load(self, rid: ReplicaID) -> int:
+        return self.replica_queue_len_cache.get(rid) or 0  # None: no fresh entry -> idle
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        try:
+            self._start_flusher()
+            pow2 = await super().choose_replicas(candidate_replicas, pending_request)
+            rid = self.preferred(pending_request)
+            if rid is None or pending_request is None:
+                return pow2
+            pending_request.routing_context.should_backoff = True
+            loads = [self._load(r) for r in self._replica_id_set]
+            if not under_bound(self._load(rid), loads, self._load_factor):
+                return pow2
+            self._keyed[id(pending_request.metadata)] = pending_request
+            rest = [[r for r in rank if r.replica_id != rid] for rank in pow2]
+            return [[self._replicas[rid]], *(rank for rank in rest if rank)]
+        except Exception:  # never leave a request unrouted
+            logger.exception("prefix-affinity router: choose_replicas failed; any replica")
+            return [candidate_replicas]
+
+    def _get_pending_request_matching_metadata(self, request_metadata: Any = None
+                                               ) -> PendingRequest | None:
+        """The replica a keyed round found goes to the request it was chosen for. Serve's FIFO
+        would hand it to the oldest waiting call instead (with another key), and matching on
+        ``internal_request_id`` is wrong here: the slices of one HTTP request share it."""
+        pr = self._keyed.get(id(request_metadata)) if request_metadata is not None else None
+        if pr is not None and pr.metadata is request_metadata and not pr.future.done():
+            return pr
+        return super()._get_pending_request_matching_metadata(request_metadata)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: Any) -> None:
+        try:
+            rid = self.preferred(pending_request)
+            if rid is not None:
+                outcome = "preferred" if rid == replica_id else "spilled"
+                self._rec.inc("embedfleet_affinity_routed_total", 1,
+                              {"model": self._model, "outcome": outcome})
+        except Exception:
+            logger.exception("prefix-affinity router: on_request_routed failed")
+
+    def _start_flusher(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._rec.flush_forever())
+
+
+def _caches(replica: RunningReplica) -> bool:
+    stats = replica.routing_stats
+    return bool(stats) and RoutingStats.model_validate(stats).prefix_cache

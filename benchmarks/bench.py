@@ -15,7 +15,8 @@ texts per request and concurrency for all.
 Workloads (benchmarks/workloads.py): short, mixed, shared-instruction, long (--batch texts per
 request, --concurrency in flight; long: one document per request), online (short queries, 1 per
 request, 16 in flight) and router-overhead (1 text, 1 in flight: per-request latency), plus the
-prefix-cache comparison.
+prefix-cache comparison and, asked for by name, prefix-affinity (benchmarks/affinity_bench.py:
+affinity routing vs Serve's default router, on a 4-card cluster of its own).
 
 Runs (benchmarks/bench_runs.py) alternate: for each repeat, for each workload, every peer in
 turn (the order rotates per repeat), so slow drift on a shared machine spreads over all peers
@@ -64,7 +65,9 @@ from embedfleet.benchmarks.workloads import FULL, NAMES, QUICK, Workload, build
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 ALL_PEERS = ("vllm", "vllm-serve", "infinity", "embedfleet")
-ALL_WORKLOADS = (*NAMES, "prefix-cache")
+ALL_WORKLOADS = (*NAMES, "prefix-cache", "prefix-affinity")
+# prefix-affinity starts its own 4-card cluster (benchmarks/affinity_bench.py): asked for by name.
+DEFAULT_WORKLOADS = tuple(w for w in ALL_WORKLOADS if w != "prefix-affinity")
 DEFAULT_REPEATS = 5  # the figures are medians of >= 5 alternating repeats
 
 
@@ -84,8 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "router-overhead send one text or document per request)")
     p.add_argument("--peers", default=",".join(ALL_PEERS),
                    help=f"comma-separated subset of {','.join(ALL_PEERS)}")
-    p.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
-                   help=f"comma-separated subset of {','.join(ALL_WORKLOADS)}")
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                   help=f"comma-separated subset of {','.join(ALL_WORKLOADS)} (default: all but "
+                        "prefix-affinity, which starts a 4-card cluster of its own)")
     p.add_argument("--out", type=Path, help="output folder (default "
                    "benchmarks/results/bench-<timestamp>/)")
     p.add_argument("--embedfleet-url", default="http://127.0.0.1:8000")
@@ -236,7 +240,7 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
     runs: list = []
     skipped: list = []
     probes: dict = {}
-    prefix_cache = None
+    prefix_cache = prefix_affinity = None
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -268,6 +272,12 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
             prefix_cache = {"status": "skipped", "summary": None,
                             "reason": "the prefix-cache comparison runs in bare vLLM: add "
                                       "`vllm` to --peers"}
+        if "prefix-affinity" in args.workload_list:  # after the peers: its own cluster
+            from embedfleet.benchmarks.affinity_bench import run_prefix_affinity
+
+            prefix_affinity = await run_prefix_affinity(
+                url=args.embedfleet_url, out=out, cores=args.core_list, repeats=args.repeats,
+                quick=args.quick, seed=args.seed, progress=progress)
     peer_status = {name: peer_status.get(name, {"status": "skipped",
                                                 "reason": "no workload for it"})
                    for name in args.peer_list}
@@ -285,7 +295,7 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
         command=sys.argv, started_at=started, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         machine=machine, settings=settings, workloads=winfo,
         peers=peer_status, runs=runs, skipped=skipped, probes=probes, prefix_cache=prefix_cache,
-        cpu_accounting=cpu_info)
+        prefix_affinity=prefix_affinity, cpu_accounting=cpu_info)
 
 
 def main(argv: list[str] | None = None) -> int:

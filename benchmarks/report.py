@@ -24,7 +24,7 @@ MIN_COSINE = 0.999  # vectors of one text from two peers must agree at least thi
 # The report's shape, one place: tests check build_report's output against it.
 REPORT_KEYS = ("schema", "command", "started_at", "finished_at", "machine", "settings",
                "workloads", "peers", "runs", "skipped", "correctness", "summary", "ratios",
-               "goals", "cpu_accounting", "prefix_cache", "ok", "problems")
+               "goals", "cpu_accounting", "prefix_cache", "prefix_affinity", "ok", "problems")
 RUN_KEYS = ("repeat", "workload", "peer", "texts", "tokens", "requests", "seconds",
             "texts_per_s", "tokens_per_s", "p50_ms", "p99_ms", "latencies_ms", "cpu_s",
             "cpu_s_per_1k", "driver_cpu_s_per_1k", "cpu", "error")
@@ -279,13 +279,15 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
                  workloads: dict[str, Any], peers: dict[str, Any], runs: list[dict[str, Any]],
                  skipped: list[dict[str, Any]], probes: dict[str, dict[str, list[np.ndarray]]],
                  prefix_cache: dict[str, Any] | None,
-                 cpu_accounting: dict[str, Any] | None = None) -> dict[str, Any]:
+                 cpu_accounting: dict[str, Any] | None = None,
+                 prefix_affinity: dict[str, Any] | None = None) -> dict[str, Any]:
     summary = summarize(runs)
     checks = correctness(probes)
     failed_peers = [n for n, p in peers.items() if p.get("status") == "failed"]
     disagree = [f"{w}/{p}" for w, pp in checks.items() for p, c in pp.items() if c["ok"] is False]
     run_errors = [f"{r['workload']}/{r['peer']}#{r['repeat']}" for r in runs if r["error"]]
     pc_bad = bool(prefix_cache and prefix_cache.get("correctness", {}).get("ok") is False)
+    pa_failed = bool(prefix_affinity and prefix_affinity["status"] == "failed")
     report = {
         "schema": SCHEMA, "command": command, "started_at": started_at,
         "finished_at": finished_at, "machine": machine, "settings": settings,
@@ -294,9 +296,11 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
         "goals": evaluate_goals(summary, workloads),
         "cpu_accounting": cpu_accounting,
         "prefix_cache": prefix_cache,
-        "ok": not (failed_peers or disagree or run_errors or pc_bad),
+        "prefix_affinity": prefix_affinity,
+        "ok": not (failed_peers or disagree or run_errors or pc_bad or pa_failed),
         "problems": {"failed_peers": failed_peers, "disagreeing": disagree,
-                     "run_errors": run_errors, "prefix_cache_disagrees": pc_bad},
+                     "run_errors": run_errors, "prefix_cache_disagrees": pc_bad,
+                     "prefix_affinity_failed": pa_failed},
     }
     return report
 

@@ -122,7 +122,27 @@ def closing_lines(report: dict[str, Any]) -> list[str]:
             f"{_fmt(s['off'].get('e2e_ms_per_seq'), '.1f')} ms")
     elif pc:
         lines.append(f"prefix-cache: {pc.get('status')}: {pc.get('reason')}")
+    lines += affinity_lines(report.get("prefix_affinity"))
     lines += goal_lines(report.get("goals") or [])
     lines.append("result: OK" if report["ok"]
                  else f"result: PROBLEMS {json.dumps(report['problems'])}")
     return lines
+
+
+def affinity_lines(pa: dict[str, Any] | None) -> list[str]:
+    """The prefix-affinity comparison (benchmarks/affinity_bench.py), medians of its repeats."""
+    if not pa:
+        return []
+    s = pa.get("summary")
+    if not s:
+        return [f"prefix-affinity: {pa.get('status')}: {pa.get('reason')}"]
+    a, d = s["affinity"], s["default"]
+    goals = "; ".join(f"{k} {_fmt(g['value'], '.2f')} (goal {g['goal']}: "
+                      f"{'met' if g['met'] else 'NOT met'})" for k, g in s["goals"].items())
+    return [f"prefix-affinity ({a['repeats']} repeats, {pa['status']}): affinity "
+            f"{_fmt(a['texts_per_s'])} vs default {_fmt(d['texts_per_s'])} texts/s; cached "
+            f"share {_fmt(a['cached_ratio'], '.1%')} vs {_fmt(d['cached_ratio'], '.1%')}; "
+            f"load max/mean {_fmt(a['max_load_over_mean'], '.2f')} vs "
+            f"{_fmt(d['max_load_over_mean'], '.2f')}; CPU-s per 1k texts "
+            f"{_fmt(a['cpu_s_per_1k'], '.1f')} vs {_fmt(d['cpu_s_per_1k'], '.1f')}",
+            f"  {goals}"]

@@ -6,12 +6,13 @@ router, in one cluster, on the tiny causal Qwen3 (``benchmarks/tiny_qwen3.py``, 
 The cluster (started with ``embedfleet up`` when nothing answers at ``--embedfleet-url``, stopped
 afterwards) serves the same weights twice, each model on 2 replicas (4 cards): ``tiny-qwen3-
 affinity`` with ``routing.policy: prefix_affinity`` and ``tiny-qwen3-p2c`` with ``power_of_two``
-(Serve's default). The workload: 8 distinct ~2,000-token instructions (Qwen3-Embedding's
+(Serve's default). The workload: 8 distinct ~4,000-token instructions (Qwen3-Embedding's
 "Instruct:" style: a common opening, then the task), each request one short query under an
-instruction picked at random, 8 in flight. Each card's KV pool holds about 4.5 of the 8: as on a real
+instruction picked at random, 8 in flight. Each card's KV pool holds 5.5 of the 8: as on a real
 card, where the pool is what ``gpu_memory_utilization`` leaves after the weights, the cache cannot
-keep every prefix everywhere. With affinity each replica keeps its own ~4 warm; with the default
-router both replicas see all 8 and evict each other's.
+keep every prefix everywhere. With affinity each replica keeps its own (about 4, up to 5 when the
+ring splits the 8 keys unevenly) warm; with the default router both replicas see all 8 and evict
+each other's.
 
 Per run: texts/s, p50/p99, the share of prompt tokens served from the cache (the responses'
 ``usage.prompt_tokens_details.cached_tokens``), texts per replica (the ``x-embedfleet-replicas``
@@ -36,10 +37,10 @@ from embedfleet.benchmarks.workloads import WORDS, instruction_prefix
 
 VARIANTS = {"affinity": "tiny-qwen3-affinity", "default": "tiny-qwen3-p2c"}
 POLICIES = {"affinity": "prefix_affinity", "default": "power_of_two"}
-INSTRUCTIONS, INSTRUCTION_TOKENS = 8, 1984  # words, one token each (the MiniLM vocabulary)
+INSTRUCTIONS, INSTRUCTION_TOKENS = 8, 3968  # words, one token each (the MiniLM vocabulary)
 QUERIES_PER_REQUEST, CONCURRENCY = 1, 8  # online traffic: one query per request
 KV_BYTES_PER_TOKEN = 2 * 2 * 1 * 64 * 4  # layers x (K, V) x KV heads x head_dim x float32
-KV_POOL_TOKENS = 8960  # 280 blocks of 32: ~4.5 instructions (62 blocks each) with the queries
+KV_POOL_TOKENS = 21824  # 682 blocks of 32: 5.5 instructions (124 blocks each)
 GOALS = {"cached_ratio_min": 0.8, "throughput_ratio_min": 1.3, "max_load_over_mean": 1.5}
 
 
@@ -48,7 +49,7 @@ def cluster_config(model_dir: Path, port: int) -> Any:
 
     def model(variant: str) -> dict[str, Any]:
         return {"name": VARIANTS[variant], "source": {"path": str(model_dir)},
-                "max_model_len": 2048, "prefix_cache": "on", "canary_interval_s": 3600,
+                "max_model_len": 4096, "prefix_cache": "on", "canary_interval_s": 3600,
                 "engine": {"kv_cache_memory_bytes": KV_POOL_TOKENS * KV_BYTES_PER_TOKEN},
                 "replicas": {"min_replicas": 2, "max_replicas": 2},
                 "routing": {"policy": POLICIES[variant]}}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import subprocess
+import sys
 import uuid
 from collections import Counter
 
@@ -110,7 +112,7 @@ async def test_a_busy_preferred_replica_spills_to_power_of_two_within_the_bound(
     router = make_router([a, b])
     text = next(t for t in queries(8) if router.preferred(pending(t)) == a.replica_id)
     assert await route(router, pending(text)) == a.replica_id
-    # a has 6 calls in flight, b none: 7 > ceil(1.25 x 7 / 2) = 5, so the call spills to b.
+    # a has 6 calls in flight, b none: 7 > ceil(1.5 x 7 / 2) = 6, so the call spills to b.
     router.replica_queue_len_cache.update(a.replica_id, 6)
     router.replica_queue_len_cache.update(b.replica_id, 0)
     a.queue_len = 6
@@ -186,11 +188,14 @@ def test_a_replica_joining_or_leaving_moves_only_its_own_keys():
 
 
 def test_bounded_load_limit():
-    assert under_bound(0, [0, 0], 1.25)  # idle: ceil(1.25 x 1 / 2) = 1
-    assert under_bound(1, [1, 0], 1.25)  # 2 <= ceil(1.25 x 2 / 2) = 2
-    assert not under_bound(2, [2, 0], 1.25)  # 3 > ceil(1.25 x 3 / 2) = 2
-    assert under_bound(4, [4, 4], 1.25)  # 5 <= ceil(1.25 x 9 / 2) = 6
-    assert not under_bound(6, [6, 0], 1.25)  # 7 > 5
+    assert under_bound(0, [0, 0], 1.25, 1)  # idle: ceil(1.25 x 1 / 2) = 1
+    assert under_bound(1, [1, 0], 1.25, 1)  # 2 <= ceil(1.25 x 2 / 2) = 2
+    assert not under_bound(2, [2, 0], 1.25, 1)  # 3 > ceil(1.25 x 3 / 2) = 2
+    assert under_bound(2, [2, 0], 1.25, 4)  # the floor: 3 <= 4
+    assert not under_bound(1, [1, 0, 0, 0], 1.25, 1)  # 4 replicas: ceil(1.25 x 2 / 4) = 1
+    assert under_bound(1, [1, 0, 0, 0], 1.25, 4)
+    assert under_bound(4, [4, 4], 1.25, 1)  # 5 <= ceil(1.25 x 9 / 2) = 6
+    assert not under_bound(6, [6, 0], 1.25, 4)  # 7 > 5
 
 
 def test_the_key_is_the_template_and_the_first_inputs_head():
@@ -219,10 +224,16 @@ def test_the_config_renders_serves_request_router_config(policy, prefix_cache, r
     rc = opts["request_router_config"]
     assert rc["request_router_class"] == AFFINITY_ROUTER_CLASS
     assert rc["request_router_kwargs"]["load_factor"] == 1.5
-    # Serve accepts it as it is (imports the class and pickles it by value).
+    # Serve accepts it as it is: it imports the class and pickles it by value, and a Router
+    # replica (another process) unpickles it.
     from ray.serve.config import RequestRouterConfig
 
-    assert RequestRouterConfig(**rc).get_request_router_class() is not None
+    pickled = RequestRouterConfig(**rc)._serialized_request_router_cls
+    out = subprocess.run([sys.executable, "-c", "import sys, cloudpickle; c = cloudpickle.loads("
+                          "sys.stdin.buffer.read()); print(c.__name__, c.__mro__[1].__name__)"],
+                         input=pickled, capture_output=True, timeout=120)
+    assert out.stdout.decode().split() == ["PrefixAffinityRouter",
+                                           "PowerOfTwoChoicesRequestRouter"], out.stderr[-2000:]
 
 
 def test_invalid_routing_values_fail_at_load_naming_the_field():

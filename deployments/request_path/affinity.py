@@ -87,10 +87,12 @@ class HashRing:
         return None
 
 
-def under_bound(load: int, loads: list[int], load_factor: float) -> bool:
+def under_bound(load: int, loads: list[int], load_factor: float, min_bound: int) -> bool:
     """Consistent hashing with bounded loads: one more call keeps the replica within
-    ``load_factor`` x the mean (the new call counted)."""
-    limit = math.ceil(load_factor * (sum(loads) + 1) / max(1, len(loads)))
+    ``load_factor`` x the mean (the new call counted), or within ``min_bound`` calls: at low load
+    the mean rounds to 1, and a replica that batches well should not lose its keys for a
+    second call in flight."""
+    limit = max(min_bound, math.ceil(load_factor * (sum(loads) + 1) / max(1, len(loads))))
     return load + 1 <= limit
 
 
@@ -107,9 +109,10 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         self._model = model_of_deployment(self._deployment_id.name)
         self.initialize_state()
 
-    def initialize_state(self, load_factor: float = 1.25, prefix_chars: int = 256,
-                         prefix_tokens: int = 64, vnodes: int = 64, **_unknown: Any) -> None:
-        self._load_factor = float(load_factor)
+    def initialize_state(self, load_factor: float = 1.5, min_bound: int = 4,
+                         prefix_chars: int = 256, prefix_tokens: int = 64, vnodes: int = 64,
+                         **_unknown: Any) -> None:
+        self._load_factor, self._min_bound = float(load_factor), int(min_bound)
         self._prefix_chars, self._prefix_tokens = int(prefix_chars), int(prefix_tokens)
         if int(vnodes) != self._ring.vnodes:
             self._ring = HashRing(int(vnodes))
@@ -143,14 +146,16 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         try:
             self._start_flusher()
             pow2 = await super().choose_replicas(candidate_replicas, pending_request)
-            rid = self.preferred(pending_request)
-            if rid is None or pending_request is None:
+            if pending_request is None:
                 return pow2
-            pending_request.routing_context.should_backoff = True
-            loads = [self._load(r) for r in self._replica_id_set]
-            if not under_bound(self._load(rid), loads, self._load_factor):
-                return pow2
+            # Whatever this round finds goes to its own request (see the matching hook below).
             self._keyed[id(pending_request.metadata)] = pending_request
+            rid = self.preferred(pending_request)
+            if rid is None:
+                return pow2
+            loads = [self._load(r) for r in self._replica_id_set]
+            if not under_bound(self._load(rid), loads, self._load_factor, self._min_bound):
+                return pow2
             rest = [[r for r in rank if r.replica_id != rid] for rank in pow2]
             return [[self._replicas[rid]], *(rank for rank in rest if rank)]
         except Exception:  # never leave a request unrouted
@@ -159,9 +164,11 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
     def _get_pending_request_matching_metadata(self, request_metadata: Any = None
                                                ) -> PendingRequest | None:
-        """The replica a keyed round found goes to the request it was chosen for. Serve's FIFO
-        would hand it to the oldest waiting call instead (with another key), and matching on
-        ``internal_request_id`` is wrong here: the slices of one HTTP request share it."""
+        """The replica a round found goes to the request it was chosen for. Serve's FIFO would
+        hand it to the oldest waiting call instead (with another key), and matching on
+        ``internal_request_id`` is wrong here: the slices of one HTTP request share it. A round
+        without a request (Ray 2.55's spare task) still serves the oldest: on 2.55 that is what
+        picks up a request its routing task gave up."""
         pr = self._keyed.get(id(request_metadata)) if request_metadata is not None else None
         if pr is not None and pr.metadata is request_metadata and not pr.future.done():
             return pr
@@ -184,5 +191,13 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
 
 def _caches(replica: RunningReplica) -> bool:
+    """Whether the replica said its prefix cache is on (no report yet, or one this version
+    cannot read, e.g. mid-upgrade: no preference for that replica alone)."""
     stats = replica.routing_stats
-    return bool(stats) and RoutingStats.model_validate(stats).prefix_cache
+    if not stats:
+        return False
+    try:
+        return RoutingStats.model_validate(stats).prefix_cache
+    except ValueError:
+        logger.warning("prefix-affinity router: unreadable routing stats %r", stats)
+        return False

@@ -16,7 +16,8 @@ Workloads (benchmarks/workloads.py): short, mixed, shared-instruction, long (--b
 request, --concurrency in flight; long: one document per request), online (short queries, 1 per
 request, 16 in flight) and router-overhead (1 text, 1 in flight: per-request latency), plus the
 prefix-cache comparison and, asked for by name, prefix-affinity (benchmarks/affinity_bench.py:
-affinity routing vs Serve's default router, on a 4-card cluster of its own).
+affinity routing vs Serve's default router, on a 4-card cluster of its own) and lanes
+(benchmarks/lanes_bench.py: interactive latency under a bulk flood, on 2 replicas).
 
 Runs (benchmarks/bench_runs.py) alternate: for each repeat, for each workload, every peer in
 turn (the order rotates per repeat), so slow drift on a shared machine spreads over all peers
@@ -65,9 +66,10 @@ from embedfleet.benchmarks.workloads import FULL, NAMES, QUICK, Workload, build
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 ALL_PEERS = ("vllm", "vllm-serve", "infinity", "embedfleet")
-ALL_WORKLOADS = (*NAMES, "prefix-cache", "prefix-affinity")
-# prefix-affinity starts its own 4-card cluster (benchmarks/affinity_bench.py): asked for by name.
-DEFAULT_WORKLOADS = tuple(w for w in ALL_WORKLOADS if w != "prefix-affinity")
+ALL_WORKLOADS = (*NAMES, "prefix-cache", "prefix-affinity", "lanes")
+# Each starts a cluster of its own (benchmarks/affinity_bench.py, lanes_bench.py): asked for by name.
+BY_NAME_ONLY = ("prefix-affinity", "lanes")
+DEFAULT_WORKLOADS = tuple(w for w in ALL_WORKLOADS if w not in BY_NAME_ONLY)
 DEFAULT_REPEATS = 5  # the figures are medians of >= 5 alternating repeats
 
 
@@ -89,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(ALL_PEERS)}")
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                    help=f"comma-separated subset of {','.join(ALL_WORKLOADS)} (default: all but "
-                        "prefix-affinity, which starts a 4-card cluster of its own)")
+                        f"{' and '.join(BY_NAME_ONLY)}, which start clusters of their own)")
     p.add_argument("--out", type=Path, help="output folder (default "
                    "benchmarks/results/bench-<timestamp>/)")
     p.add_argument("--embedfleet-url", default="http://127.0.0.1:8000")
@@ -240,7 +242,7 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
     runs: list = []
     skipped: list = []
     probes: dict = {}
-    prefix_cache = prefix_affinity = None
+    prefix_cache = prefix_affinity = lanes = None
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -278,6 +280,11 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
             prefix_affinity = await run_prefix_affinity(
                 url=args.embedfleet_url, out=out, cores=args.core_list, repeats=args.repeats,
                 quick=args.quick, seed=args.seed, progress=progress)
+        if "lanes" in args.workload_list:
+            from embedfleet.benchmarks.lanes_bench import run_lanes
+
+            lanes = await run_lanes(url=args.embedfleet_url, out=out, cores=args.core_list,
+                                    repeats=args.repeats, quick=args.quick, progress=progress)
     peer_status = {name: peer_status.get(name, {"status": "skipped",
                                                 "reason": "no workload for it"})
                    for name in args.peer_list}
@@ -295,7 +302,7 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
         command=sys.argv, started_at=started, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         machine=machine, settings=settings, workloads=winfo,
         peers=peer_status, runs=runs, skipped=skipped, probes=probes, prefix_cache=prefix_cache,
-        prefix_affinity=prefix_affinity, cpu_accounting=cpu_info)
+        prefix_affinity=prefix_affinity, lanes=lanes, cpu_accounting=cpu_info)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
     python -m embedfleet.benchmarks.lanes_bench --url http://127.0.0.1:8000 \\
         --model all-minilm-l6-v2 --repeats 5 --seconds 20
+    embedfleet bench --peers vllm --workloads lanes     # the same, on a 2-replica cluster of its own
 
 Three phases per repeat, their order rotated each repeat (the machine is noisy; peers are phases):
 - ``idle``: interactive clients alone (one text per request): latency;
@@ -150,6 +151,43 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"tool": "lanes_bench", "options": vars(args), "summary": summarize(runs),
             "runs": [[{**asdict(r), "interactive_ms": None, **r.summary()} for r in rep]
                      for rep in runs]}
+
+
+def cluster_config(base: Any, port: int) -> Any:
+    """``embedfleet bench --workloads lanes``: the shipped config's model on 2 cards, 2 replicas."""
+    m = base.models[0]
+    replicas = m.replicas.model_copy(update={"min_replicas": 2, "max_replicas": 2,
+                                             "initial_replicas": 2})
+    return base.model_copy(update={
+        "cards": 2, "models": [m.model_copy(update={"replicas": replicas})],
+        "router": base.router.model_copy(update={"port": port})})
+
+
+async def run_lanes(*, url: str, out: Path, cores: list[int], repeats: int, quick: bool,
+                    progress: Any) -> dict[str, Any]:
+    """The `lanes` section of `embedfleet bench`: a 2-replica cluster started for it when nothing
+    answers at ``url`` (stopped afterwards), the three phases per repeat, their medians."""
+    from urllib.parse import urlparse
+
+    from embedfleet.benchmarks.embedfleet_peer import EmbedfleetPeer
+    from embedfleet.deployments.config import load_config
+
+    cfg = cluster_config(load_config(None), urlparse(url).port or 8000)
+    model = cfg.models[0].name
+    peer = EmbedfleetPeer(url, model, 10, cfg, out, cores)
+    args = argparse.Namespace(url=url, model=model, repeats=repeats, seconds=5 if quick else 20,
+                              interactive=2, bulk=8, bulk_batch=32, bulk_lane="bulk")
+    section: dict[str, Any] = {"status": "ok", "options": vars(args)}
+    try:
+        progress.console.print("lanes: starting a 2-replica cluster (or using the one at the URL)")
+        await peer.start()
+        section["cluster"] = peer.describe()
+        section.update(await run(args))
+    except Exception as exc:  # noqa: BLE001 - reported, like a peer that failed
+        section.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
+    finally:
+        await peer.stop()
+    return section
 
 
 def main(argv: list[str] | None = None) -> int:

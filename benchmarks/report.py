@@ -24,7 +24,8 @@ MIN_COSINE = 0.999  # vectors of one text from two peers must agree at least thi
 # The report's shape, one place: tests check build_report's output against it.
 REPORT_KEYS = ("schema", "command", "started_at", "finished_at", "machine", "settings",
                "workloads", "peers", "runs", "skipped", "correctness", "summary", "ratios",
-               "goals", "cpu_accounting", "prefix_cache", "prefix_affinity", "ok", "problems")
+               "goals", "cpu_accounting", "prefix_cache", "prefix_affinity", "lanes", "ok",
+               "problems")
 RUN_KEYS = ("repeat", "workload", "peer", "texts", "tokens", "requests", "seconds",
             "texts_per_s", "tokens_per_s", "p50_ms", "p99_ms", "latencies_ms", "cpu_s",
             "cpu_s_per_1k", "driver_cpu_s_per_1k", "cpu", "error")
@@ -280,7 +281,8 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
                  skipped: list[dict[str, Any]], probes: dict[str, dict[str, list[np.ndarray]]],
                  prefix_cache: dict[str, Any] | None,
                  cpu_accounting: dict[str, Any] | None = None,
-                 prefix_affinity: dict[str, Any] | None = None) -> dict[str, Any]:
+                 prefix_affinity: dict[str, Any] | None = None,
+                 lanes: dict[str, Any] | None = None) -> dict[str, Any]:
     summary = summarize(runs)
     checks = correctness(probes)
     failed_peers = [n for n, p in peers.items() if p.get("status") == "failed"]
@@ -288,6 +290,7 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
     run_errors = [f"{r['workload']}/{r['peer']}#{r['repeat']}" for r in runs if r["error"]]
     pc_bad = bool(prefix_cache and prefix_cache.get("correctness", {}).get("ok") is False)
     pa_failed = bool(prefix_affinity and prefix_affinity["status"] == "failed")
+    lanes_failed = bool(lanes and lanes["status"] == "failed")
     report = {
         "schema": SCHEMA, "command": command, "started_at": started_at,
         "finished_at": finished_at, "machine": machine, "settings": settings,
@@ -297,10 +300,11 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
         "cpu_accounting": cpu_accounting,
         "prefix_cache": prefix_cache,
         "prefix_affinity": prefix_affinity,
-        "ok": not (failed_peers or disagree or run_errors or pc_bad or pa_failed),
+        "lanes": lanes,
+        "ok": not (failed_peers or disagree or run_errors or pc_bad or pa_failed or lanes_failed),
         "problems": {"failed_peers": failed_peers, "disagreeing": disagree,
                      "run_errors": run_errors, "prefix_cache_disagrees": pc_bad,
-                     "prefix_affinity_failed": pa_failed},
+                     "prefix_affinity_failed": pa_failed, "lanes_failed": lanes_failed},
     }
     return report
 

@@ -123,6 +123,7 @@ def closing_lines(report: dict[str, Any]) -> list[str]:
     elif pc:
         lines.append(f"prefix-cache: {pc.get('status')}: {pc.get('reason')}")
     lines += affinity_lines(report.get("prefix_affinity"))
+    lines += lanes_lines(report.get("lanes"))
     lines += goal_lines(report.get("goals") or [])
     lines.append("result: OK" if report["ok"]
                  else f"result: PROBLEMS {json.dumps(report['problems'])}")
@@ -146,3 +147,21 @@ def affinity_lines(pa: dict[str, Any] | None) -> list[str]:
             f"{_fmt(d['max_load_over_mean'], '.2f')}; CPU-s per 1k texts "
             f"{_fmt(a['cpu_s_per_1k'], '.1f')} vs {_fmt(d['cpu_s_per_1k'], '.1f')}",
             f"  {goals}"]
+
+
+def lanes_lines(lanes: dict[str, Any] | None) -> list[str]:
+    """Priority lanes under a bulk flood (benchmarks/lanes_bench.py), medians of its repeats."""
+    if not lanes:
+        return []
+    s = lanes.get("summary")
+    if not s:
+        return [f"lanes: {lanes.get('status')}: {lanes.get('reason')}"]
+    r, met = s["ratios"], s["goals"]["met"]
+    return [f"lanes ({lanes['options']['repeats']} repeats): interactive p99 idle "
+            f"{_fmt(s['idle']['interactive_p99_ms'], '.0f')} ms, under the bulk flood "
+            f"{_fmt(s['mixed']['interactive_p99_ms'], '.0f')} ms = x"
+            f"{_fmt(r['interactive_p99_mixed_over_idle'], '.2f')} (goal <= 2: "
+            f"{'met' if met['interactive_p99'] else 'NOT met'}); bulk texts/s mixed / solo "
+            f"{_fmt(r['bulk_texts_per_s_mixed_over_solo'], '.2f')} (goal >= 0.5: "
+            f"{'met' if met['bulk_throughput'] else 'NOT met'}); interactive refused or failed: "
+            f"{r['interactive_refused_or_failed']}"]

@@ -36,3 +36,27 @@ def test_the_p99_is_the_slow_tail_not_the_mean():
     r = PhaseResult("idle", 10, interactive_ms=[1.0] * 98 + [100.0, 200.0])
     assert r.percentile(0.99) == 200.0 and r.percentile(0.5) == 1.0
     assert PhaseResult("idle", 10).percentile(0.99) is None
+
+
+def test_embedfleet_bench_runs_lanes_on_two_replicas_of_the_shipped_model():
+    from embedfleet.benchmarks.bench import DEFAULT_WORKLOADS, parse_args
+    from embedfleet.benchmarks.lanes_bench import cluster_config
+    from embedfleet.deployments.config import load_config
+
+    base = load_config(None)
+    cfg = cluster_config(base, 8123)
+    (m,) = cfg.models
+    assert m.name == base.models[0].name and cfg.cards == 2 and cfg.router.port == 8123
+    assert m.replicas.min_replicas == m.replicas.max_replicas == 2
+    assert "lanes" not in DEFAULT_WORKLOADS  # it starts a cluster: asked for by name
+    assert parse_args(["--workloads", "lanes", "--peers", "vllm"]).workload_list == ["lanes"]
+
+
+def test_the_bench_prints_the_lanes_figures_and_goals():
+    from embedfleet.benchmarks.report_text import lanes_lines
+
+    s = summarize([_rep([10.0] * 100, [25.0] * 100, 1000, 400)])
+    (line,) = lanes_lines({"status": "ok", "options": {"repeats": 1}, "summary": s})
+    assert "x2.50 (goal <= 2: NOT met)" in line and "0.40 (goal >= 0.5: NOT met)" in line
+    assert lanes_lines({"status": "failed", "reason": "no cluster"}) == [
+        "lanes: failed: no cluster"]

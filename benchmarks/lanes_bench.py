@@ -60,7 +60,8 @@ class PhaseResult:
 
 
 async def _phase(url: str, model: str, phase: str, seconds: float, interactive: int, bulk: int,
-                 bulk_batch: int, bulk_lane: str = "bulk") -> PhaseResult:
+                 bulk_batch: int, bulk_lane: str = "bulk", encoding: str = "base64"
+                 ) -> PhaseResult:
     res = PhaseResult(phase, seconds)
     stop = time.monotonic() + seconds
     texts = [f"corpus passage {i} on queues, lanes and the cards that serve them"
@@ -71,7 +72,8 @@ async def _phase(url: str, model: str, phase: str, seconds: float, interactive: 
         while time.monotonic() < stop:
             t0 = time.perf_counter()
             r = await client.post("/v1/embeddings", json={
-                "model": model, "input": f"query {k}-{i} where is the nearest station"})
+                "model": model, "input": f"query {k}-{i} where is the nearest station",
+                "encoding_format": encoding})
             i += 1
             if r.status_code == 200:
                 res.interactive_ms.append((time.perf_counter() - t0) * 1000)
@@ -83,7 +85,8 @@ async def _phase(url: str, model: str, phase: str, seconds: float, interactive: 
     async def bulk_client(client: httpx.AsyncClient) -> None:
         while time.monotonic() < stop:
             r = await client.post("/v1/embeddings", json={"model": model, "input": texts,
-                                                          "lane": bulk_lane})
+                                                          "lane": bulk_lane,
+                                                          "encoding_format": encoding})
             if r.status_code == 200:
                 if time.monotonic() <= stop:  # a call answered after the window is not counted
                     res.bulk_texts += len(texts)
@@ -143,7 +146,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         results = []
         for phase in order:
             r = await _phase(args.url, args.model, phase, args.seconds, args.interactive,
-                             args.bulk, args.bulk_batch, args.bulk_lane)
+                             args.bulk, args.bulk_batch, args.bulk_lane, args.encoding_format)
             print(f"repeat {rep + 1}/{args.repeats} {phase}: {json.dumps(r.summary())}",
                   flush=True)
             results.append(r)
@@ -176,7 +179,8 @@ async def run_lanes(*, url: str, out: Path, cores: list[int], repeats: int, quic
     model = cfg.models[0].name
     peer = EmbedfleetPeer(url, model, 10, cfg, out, cores)
     args = argparse.Namespace(url=url, model=model, repeats=repeats, seconds=5 if quick else 20,
-                              interactive=2, bulk=8, bulk_batch=32, bulk_lane="bulk")
+                              interactive=2, bulk=8, bulk_batch=32, bulk_lane="bulk",
+                              encoding_format="base64")
     section: dict[str, Any] = {"status": "ok", "options": vars(args)}
     try:
         progress.console.print("lanes: starting a 2-replica cluster (or using the one at the URL)")
@@ -201,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bulk-batch", type=int, default=32, help="texts per bulk request")
     p.add_argument("--bulk-lane", choices=("bulk", "interactive"), default="bulk",
                    help="the lane the flood is sent on; interactive = the baseline without lanes")
+    p.add_argument("--encoding-format", choices=("base64", "float"), default="base64",
+                   help="what every client asks for; base64 is the OpenAI SDK's default "
+                        "(benchmarks/results/lanes-2026-12-01*.json used float: JSON float "
+                        "lists of the flood's vectors, encoded and decoded on the cores the "
+                        "engines use)")
     p.add_argument("--out", type=Path, default=None, help="JSON report path")
     args = p.parse_args(argv)
     report = asyncio.run(run(args))

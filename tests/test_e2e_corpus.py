@@ -19,15 +19,15 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 
+# 1 to 6 words (~8 to 25 tokens): short, so 10,000 of them take ~2 minutes on this machine; the
+# same texts the corpus bench measures (benchmarks/corpus_bench.py)
+from embedfleet.benchmarks.corpus_bench import corpus_text
 from tests.conftest import EMBEDFLEET, MINILM, ROOT, TINY_QWEN3
 
 pytestmark = pytest.mark.cluster
 ROWS = 10_000
 
 
-def corpus_text(i: int) -> str:
-    # 1 to 6 words (~8 to 25 tokens): short, so 10,000 of them take ~2 minutes on this machine
-    return f"passage {i}: " + " ".join(f"word{(i * 7 + k) % 997}" for k in range(1 + i % 6))
 
 
 def start_job(src, out, *extra: str, model: str = MINILM) -> subprocess.Popen:

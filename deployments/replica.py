@@ -132,6 +132,7 @@ class EngineReplica:
             interval_s=cfg.governor.interval_s, sink=RayMetricsSink(),
             peak_window_s=cfg.governor.peak_window_s,
             idle=lambda: self.path.inflight_sequences == 0,
+            last_activity=lambda: self.path.last_progress,
             cpu_card=CpuCardModel(cfg.platform.cpu_card_memory_bytes) if kind == "cpu" else None)
         self.reporter = Reporter(replica_id=self.replica_id, card=self.card, platform=kind,
                                  path=self.path, prefix=self.prefix, follower=self.follower,

@@ -1,0 +1,108 @@
+"""The limits follower does not wake an idle engine's worker every interval
+(deployments/control/limits.py): a probe costs the worker a second of spinning, so with nothing
+run on the engine since the last probe its reading is reused, re-exported, for IDLE_REPROBE_S."""
+
+from __future__ import annotations
+
+import asyncio
+
+from embedfleet.deployments.contracts import Ceiling
+from embedfleet.deployments.control import limits as limits_mod
+from embedfleet.deployments.control.limits import LimitsFollower
+from embedfleet.deployments.engine.gate import EngineGate
+from embedfleet.deployments.engine.kv_usage import KvSample
+from embedfleet.deployments.engine.vllm_engine import EngineMemory
+
+GIB = 1 << 30
+
+
+class CountingEngine:
+    """Stand-in engine: a device probe of a 64 GiB card, counting how often it is woken."""
+
+    def __init__(self, used_gib: float) -> None:
+        self.used = int(used_gib * GIB)
+        self.probes = 0
+
+    async def memory(self, timeout_s: float, idle: bool = False) -> EngineMemory:
+        self.probes += 1
+        probe = {"kind": 1, "used": self.used, "total": 64 * GIB, "reserved": 0,
+                 "peak_allocated": 0}
+        return EngineMemory(probe=probe, kv=KvSample(8 * GIB, 0.0, 0, 0))
+
+
+class Budget:
+    limits = (8, 1024)
+
+    def set_limits(self, max_sequences: int, max_tokens: int) -> None:
+        self.limits = (max_sequences, max_tokens)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.sets = 0
+
+    def set_gauge(self, name, value, tags) -> None:
+        self.sets += name == "embedfleet_card_memory_used_bytes"
+
+
+def follower(engine, activity: list[float], sink: Sink, busy: list[bool]) -> LimitsFollower:
+    return LimitsFollower(gate=EngineGate(engine), budget=Budget(),
+                          card_tags={"node": "n", "device": "0"},
+                          ceiling=Ceiling(max_sequences=8, max_tokens=1024), pull_limits=None,
+                          interval_s=2, sink=sink, cpu_card=None, peak_window_s=0.0,
+                          idle=lambda: not busy[0], last_activity=lambda: activity[0])
+
+
+def test_an_idle_engine_is_probed_once_then_its_reading_reused_and_reexported():
+    engine, sink, activity, busy = CountingEngine(20), Sink(), [0.0], [False]
+    f = follower(engine, activity, sink, busy)
+
+    async def ticks(n: int):
+        for _ in range(n):
+            await f.read_card()
+
+    asyncio.run(ticks(5))
+    assert engine.probes == 1 and sink.sets == 5  # gauges re-set every tick, never stale
+    assert f.reading is not None and f.reading.used_bytes == 20 * GIB
+
+    # A call finished on the engine since: the next tick reads the card again.
+    import time
+    engine.used = 30 * GIB
+    activity[0] = time.monotonic()
+    asyncio.run(ticks(1))
+    assert engine.probes == 2 and f.reading.used_bytes == 30 * GIB
+
+    # Work in flight: probed every tick (the governor needs the live pressure).
+    busy[0] = True
+    asyncio.run(ticks(3))
+    assert engine.probes == 5
+
+
+def test_an_idle_reading_is_refreshed_after_idle_reprobe_s_and_after_an_engine_swap(monkeypatch):
+    engine, sink, activity, busy = CountingEngine(20), Sink(), [0.0], [False]
+    f = follower(engine, activity, sink, busy)
+    asyncio.run(f.read_card())
+    monkeypatch.setattr(limits_mod, "IDLE_REPROBE_S", 0.0)
+    asyncio.run(f.read_card())
+    assert engine.probes == 2
+    monkeypatch.setattr(limits_mod, "IDLE_REPROBE_S", 3600.0)
+    new = CountingEngine(25)
+    f._gate = EngineGate(new)  # the prefix-cache controller swapped the engine
+    asyncio.run(f.read_card())
+    assert new.probes == 1 and f.reading.used_bytes == 25 * GIB
+
+
+def test_without_an_activity_clock_every_tick_probes():
+    """The governor simulation (benchmarks/governor_sim.py) drives the follower that way."""
+    engine = CountingEngine(20)
+    f = LimitsFollower(gate=EngineGate(engine), budget=Budget(),
+                       card_tags={"node": "n", "device": "0"},
+                       ceiling=Ceiling(max_sequences=8, max_tokens=1024), pull_limits=None,
+                       interval_s=2, sink=Sink(), cpu_card=None, idle=lambda: True)
+
+    async def ticks():
+        for _ in range(3):
+            await f.read_card()
+
+    asyncio.run(ticks())
+    assert engine.probes == 3

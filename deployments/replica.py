@@ -48,6 +48,10 @@ from embedfleet.deployments.request_path.replica_path import RequestPath
 logger = logging.getLogger("embedfleet.replica")
 
 HEALTH_PROBE_TEXT = "embedfleet health check"
+# An idle replica embeds its health probe at most this often; in between, the engine core's own
+# liveness check. Any call wakes vLLM's worker, which then spins a second on its message queue
+# (see control/limits.py): a probe every 10 s cost each idle worker ~4 CPU-s a minute here.
+HEALTH_EMBED_EVERY_S = 30.0
 
 
 def decide_prefix_cache(cfg: EmbedfleetConfig, m: ModelConfig) -> tuple[bool, str]:
@@ -138,6 +142,8 @@ class EngineReplica:
                                  path=self.path, prefix=self.prefix, follower=self.follower,
                                  registry=registry, healthy=self._ready)
         self._healthy = True
+        self._health_engine: EmbeddingEngine | None = None  # the engine the last probe embedded on
+        self._health_embedded_at = 0.0
         await self._check_idle_floor()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.reporter.heartbeat_forever()),
@@ -205,7 +211,8 @@ class EngineReplica:
 
         When the engine is busy, a probe would queue behind (possibly huge) admitted work and
         could time out on a healthy replica; then the engine finishing batches recently is the
-        proof of health, and the engine core's own liveness check must pass.
+        proof of health, and the engine core's own liveness check must pass. An idle replica
+        embeds its probe every HEALTH_EMBED_EVERY_S, and in between runs only that liveness check.
         """
         if not self.prefix.healthy:
             raise RuntimeError(f"engine swap gave up: {self.prefix.swap_error}")
@@ -216,6 +223,10 @@ class EngineReplica:
         if busy and time.monotonic() - self.path.last_progress < self.cfg.health_check_timeout_s:
             await engine.check_health()
             return
+        if (self._healthy and engine is self._health_engine
+                and time.monotonic() - self._health_embedded_at < HEALTH_EMBED_EVERY_S):
+            await engine.check_health()
+            return
         try:
             ids = engine.tokenize([HEALTH_PROBE_TEXT])
             out = await asyncio.wait_for(
@@ -224,6 +235,7 @@ class EngineReplica:
             if not np.isfinite(out[0].vector).all():
                 raise RuntimeError("health probe embedding is not finite")
             self._healthy = True
+            self._health_engine, self._health_embedded_at = engine, time.monotonic()
         except Exception:
             self._healthy = False
             self.reporter.export_state()

@@ -1,6 +1,7 @@
-"""The limits follower does not wake an idle engine's worker every interval
-(deployments/control/limits.py): a probe costs the worker a second of spinning, so with nothing
-run on the engine since the last probe its reading is reused, re-exported, for IDLE_REPROBE_S."""
+"""An idle engine's worker is not woken every few seconds: any call into the engine makes vLLM's
+worker spin a second on its message queue. The limits follower reuses an idle card's reading for
+up to IDLE_REPROBE_S (deployments/control/limits.py), and an idle replica's health check embeds
+its probe at most every HEALTH_EMBED_EVERY_S (deployments/replica.py)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,56 @@ def test_without_an_activity_clock_every_tick_probes():
 
     asyncio.run(ticks())
     assert engine.probes == 3
+
+
+class ProbeEngine:
+    """Stand-in engine for the health check: counts embeds and liveness checks."""
+
+    def __init__(self) -> None:
+        self.embeds = self.liveness = 0
+
+    def tokenize(self, texts):
+        return [[1, 2, 3] for _ in texts]
+
+    async def embed(self, ids, request_id: str):
+        import numpy as np
+        from types import SimpleNamespace
+
+        self.embeds += 1
+        return [SimpleNamespace(vector=np.ones(4, dtype=np.float32))]
+
+    async def check_health(self) -> None:
+        self.liveness += 1
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_an_idle_replicas_health_check_embeds_at_most_every_health_embed_every_s(monkeypatch):
+    from types import SimpleNamespace
+
+    from embedfleet.deployments import replica as replica_mod
+    from embedfleet.deployments.replica import EngineReplica
+
+    engine = ProbeEngine()
+    r = object.__new__(EngineReplica)  # the real check_health, around stand-ins of its parts
+    r.__dict__.update(
+        prefix=SimpleNamespace(healthy=True, cancel=lambda: None), gate=EngineGate(engine),
+        path=SimpleNamespace(inflight_sequences=0, last_progress=0.0),
+        cfg=SimpleNamespace(health_check_timeout_s=30), _healthy=True, _health_engine=None,
+        _health_embedded_at=0.0, reporter=SimpleNamespace(export_state=lambda: None))
+
+    async def checks(n: int):
+        for _ in range(n):
+            await r.check_health()
+
+    asyncio.run(checks(4))
+    assert (engine.embeds, engine.liveness) == (1, 3)
+    monkeypatch.setattr(replica_mod, "HEALTH_EMBED_EVERY_S", 0.0)
+    asyncio.run(checks(2))
+    assert engine.embeds == 3
+    monkeypatch.setattr(replica_mod, "HEALTH_EMBED_EVERY_S", 3600.0)
+    other = ProbeEngine()
+    r.gate = EngineGate(other)  # a swapped engine is embedded on at once
+    asyncio.run(checks(2))
+    assert (other.embeds, other.liveness) == (1, 1)

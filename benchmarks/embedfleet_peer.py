@@ -29,15 +29,16 @@ DOWN_TIMEOUT_S = 300
 EMBEDFLEET_CLI = str(Path(sys.executable).with_name("embedfleet"))
 
 
-def bench_config(base: Any, url: str) -> Any:
-    """``base`` (an EmbedfleetConfig) cut to its first model on one card with exactly one
-    replica, its router on ``url``'s port. The ``vllm`` peer runs this config's engine kwargs."""
+def bench_config(base: Any, url: str, replicas: int = 1) -> Any:
+    """``base`` (an EmbedfleetConfig) cut to its first model on ``replicas`` cards with exactly
+    that many replicas, its router on ``url``'s port. The ``vllm`` peer runs this config's engine
+    kwargs (one replica); the lanes bench uses two."""
     port = urlparse(url).port or 8000
     m = base.models[0]
-    replicas = m.replicas.model_copy(update={"min_replicas": 1, "max_replicas": 1,
-                                             "initial_replicas": 1})
+    bounds = m.replicas.model_copy(update={"min_replicas": replicas, "max_replicas": replicas,
+                                           "initial_replicas": replicas})
     return base.model_copy(update={
-        "cards": 1, "models": [m.model_copy(update={"replicas": replicas})],
+        "cards": replicas, "models": [m.model_copy(update={"replicas": bounds})],
         "router": base.router.model_copy(update={"port": port})})
 
 
@@ -47,7 +48,7 @@ def write_bench_config(cfg: Any, path: Path) -> Path:
     data = config_to_data(cfg)
     parse_config(data, str(path))  # what `embedfleet up --config` will load must validate
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# written by `embedfleet bench`: one model, one card, one replica\n"
+    path.write_text("# written by `embedfleet bench` (its cluster of the run)\n"
                     + yaml.safe_dump(data, sort_keys=False))
     return path
 

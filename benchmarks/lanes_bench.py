@@ -156,26 +156,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                      for rep in runs]}
 
 
-def cluster_config(base: Any, port: int) -> Any:
-    """``embedfleet bench --workloads lanes``: the shipped config's model on 2 cards, 2 replicas."""
-    m = base.models[0]
-    replicas = m.replicas.model_copy(update={"min_replicas": 2, "max_replicas": 2,
-                                             "initial_replicas": 2})
-    return base.model_copy(update={
-        "cards": 2, "models": [m.model_copy(update={"replicas": replicas})],
-        "router": base.router.model_copy(update={"port": port})})
-
-
 async def run_lanes(*, url: str, out: Path, cores: list[int], repeats: int, quick: bool,
                     progress: Any) -> dict[str, Any]:
     """The `lanes` section of `embedfleet bench`: a 2-replica cluster started for it when nothing
     answers at ``url`` (stopped afterwards), the three phases per repeat, their medians."""
-    from urllib.parse import urlparse
-
-    from embedfleet.benchmarks.embedfleet_peer import EmbedfleetPeer
+    from embedfleet.benchmarks.embedfleet_peer import EmbedfleetPeer, bench_config
     from embedfleet.deployments.config import load_config
 
-    cfg = cluster_config(load_config(None), urlparse(url).port or 8000)
+    cfg = bench_config(load_config(None), url, replicas=2)  # the shipped model on 2 cards
     model = cfg.models[0].name
     peer = EmbedfleetPeer(url, model, 10, cfg, out, cores)
     args = argparse.Namespace(url=url, model=model, repeats=repeats, seconds=5 if quick else 20,

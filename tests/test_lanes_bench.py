@@ -40,11 +40,11 @@ def test_the_p99_is_the_slow_tail_not_the_mean():
 
 def test_embedfleet_bench_runs_lanes_on_two_replicas_of_the_shipped_model():
     from embedfleet.benchmarks.bench import DEFAULT_WORKLOADS, parse_args
-    from embedfleet.benchmarks.lanes_bench import cluster_config
+    from embedfleet.benchmarks.embedfleet_peer import bench_config
     from embedfleet.deployments.config import load_config
 
     base = load_config(None)
-    cfg = cluster_config(base, 8123)
+    cfg = bench_config(base, "http://127.0.0.1:8123", replicas=2)  # what run_lanes starts
     (m,) = cfg.models
     assert m.name == base.models[0].name and cfg.cards == 2 and cfg.router.port == 8123
     assert m.replicas.min_replicas == m.replicas.max_replicas == 2

@@ -242,3 +242,37 @@ def test_invalid_routing_values_fail_at_load_naming_the_field():
     with pytest.raises(ConfigError, match=r"routing.*load_factor|load_factor.*0\.5"):
         parse_config({"models": [{"name": "m", "source": {"path": "/m"},
                                   "routing": {"load_factor": 0.5}}]}, "t")
+
+
+@run_async
+async def test_under_saturation_calls_without_a_preferred_replica_are_served_oldest_first():
+    """A call whose round found no preferred replica gets Serve's FIFO hand-out, as with the
+    default router: a call in a long backoff is not overtaken by younger ones. (Handing every
+    round's replica to its own call starved the oldest calls for the whole overload.)"""
+    reps = [StandInReplica(f"r{i}", caching=False) for i in range(2)]
+    router = make_router(reps)
+
+    def set_busy(busy: int) -> None:
+        for r in reps:
+            r.queue_len = busy
+            router.replica_queue_len_cache.update(r.replica_id, busy)
+
+    for r in reps:
+        r.max_ongoing_requests = 2
+    set_busy(2)
+    calls = [asyncio.create_task(router._choose_replica_for_request(pending(t)))
+             for t in queries(1)]
+    for k in range(1, 150):  # arrivals outpace the slots that free up: a queue builds
+        calls.append(asyncio.create_task(router._choose_replica_for_request(
+            pending(f"query {k}"))))
+        await asyncio.sleep(0.002)
+        if k % 3 == 0:  # one replica frees a slot for a moment
+            reps[k % 2].queue_len = 1
+            router.replica_queue_len_cache.update(reps[k % 2].replica_id, 1)
+        await asyncio.sleep(0.02)
+        set_busy(2)
+    waiting = [i for i, c in enumerate(calls) if not c.done()]
+    assert 0 < len(waiting) < len(calls), "the load must leave a queue behind"
+    assert waiting == list(range(len(calls) - len(waiting), len(calls))), waiting[:10]
+    set_busy(0)
+    await asyncio.wait_for(asyncio.gather(*calls), 10)  # and every call is routed

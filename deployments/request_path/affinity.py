@@ -15,7 +15,10 @@ What it does (see ``config_routing.RoutingConfig``):
 * the preferred replica is tried first while it is under the bounded-load limit, then Serve's
   power-of-two choice (its locality preference included) as the next rank; over the limit, or
   without a key, power-of-two alone. Only replicas that report their prefix cache on
-  (``record_routing_stats``) are preferred: a model whose cache is off is routed as by default.
+  (``record_routing_stats``) are preferred: a model whose cache is off is routed as by default;
+* a replica a round found goes to that round's own call only when it is the call's preferred
+  replica; any other goes to the oldest waiting call, as Serve's FIFO does, so under overload a
+  call in a long backoff is not overtaken by younger ones.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import hashlib
 import logging
 import math
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -39,6 +43,7 @@ logger = logging.getLogger("ray.serve")
 
 KEYED_METHODS = frozenset({"embed"})  # tokenize_tei runs no prefill: any replica will do
 SEP = b"\x1f"
+ROUNDS_PRUNE_AT = 1024
 
 
 def stable_hash(data: bytes) -> int:
@@ -96,14 +101,26 @@ def under_bound(load: int, loads: list[int], load_factor: float, min_bound: int)
     return load + 1 <= limit
 
 
+@dataclass(frozen=True)
+class KeyedRound:
+    """A keyed call's routing round: the call (weakly: Serve owns it) and its preferred replica."""
+
+    request: weakref.ref
+    preferred: ReplicaID
+
+    def pending(self) -> PendingRequest | None:
+        pr = self.request()
+        return pr if pr is not None and not pr.future.done() else None
+
+
 class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._ring = HashRing(64)
         self._caching: frozenset[ReplicaID] = frozenset()
-        # The request each keyed routing round is for (see _get_pending_request_matching_metadata).
-        self._keyed: weakref.WeakValueDictionary[int, PendingRequest] = \
-            weakref.WeakValueDictionary()
+        # Each keyed request's routing round, by id(metadata) (see _fulfill_next_pending_request).
+        self._rounds: dict[int, KeyedRound] = {}
+        self._offered: ReplicaID | None = None  # the replica being handed out right now
         self._rec = metrics.Batched()
         self._flusher: asyncio.Task | None = None
         self._model = model_of_deployment(self._deployment_id.name)
@@ -148,11 +165,10 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
             pow2 = await super().choose_replicas(candidate_replicas, pending_request)
             if pending_request is None:
                 return pow2
-            # Whatever this round finds goes to its own request (see the matching hook below).
-            self._keyed[id(pending_request.metadata)] = pending_request
             rid = self.preferred(pending_request)
             if rid is None:
                 return pow2
+            self._remember(pending_request, rid)
             loads = [self._load(r) for r in self._replica_id_set]
             if not under_bound(self._load(rid), loads, self._load_factor, self._min_bound):
                 return pow2
@@ -162,24 +178,39 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
             logger.exception("prefix-affinity router: choose_replicas failed; any replica")
             return [candidate_replicas]
 
+    def _remember(self, pending_request: PendingRequest, rid: ReplicaID) -> None:
+        if len(self._rounds) > ROUNDS_PRUNE_AT:  # cancelled calls never reach on_request_routed
+            self._rounds = {k: r for k, r in self._rounds.items() if r.pending()}
+        self._rounds[id(pending_request.metadata)] = KeyedRound(weakref.ref(pending_request), rid)
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica,
+                                      request_metadata: Any = None) -> None:
+        self._offered = replica.replica_id
+        try:
+            super()._fulfill_next_pending_request(replica, request_metadata)
+        finally:
+            self._offered = None
+
     def _get_pending_request_matching_metadata(self, request_metadata: Any = None
                                                ) -> PendingRequest | None:
-        """The replica a round found goes to the request it was chosen for. Serve's FIFO would
-        hand it to the oldest waiting call instead (with another key), and matching on
-        ``internal_request_id`` is wrong here: the slices of one HTTP request share it. A round
-        without a request (Ray 2.55's spare task) still serves the oldest: on 2.55 that is what
-        picks up a request its routing task gave up."""
-        pr = self._keyed.get(id(request_metadata)) if request_metadata is not None else None
-        if pr is not None and pr.metadata is request_metadata and not pr.future.done():
+        """Which waiting call gets the replica a round found. Its own call, when the round was
+        keyed and found that call's preferred replica: Serve's FIFO would hand it to the oldest
+        waiting call, whose key another replica caches. Otherwise Serve's FIFO, the oldest
+        first, as the default router: a call in a long backoff is not overtaken by younger
+        ones. (Matching on ``internal_request_id`` is wrong here: the slices of one HTTP
+        request share it.)"""
+        r = self._rounds.get(id(request_metadata)) if request_metadata is not None else None
+        pr = r.pending() if r is not None else None
+        if pr is not None and pr.metadata is request_metadata and r.preferred == self._offered:
             return pr
         return super()._get_pending_request_matching_metadata(request_metadata)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
         try:
-            rid = self.preferred(pending_request)
-            if rid is not None:
-                outcome = "preferred" if rid == replica_id else "spilled"
+            r = self._rounds.pop(id(pending_request.metadata), None)
+            if r is not None and r.request() is pending_request:
+                outcome = "preferred" if r.preferred == replica_id else "spilled"
                 self._rec.inc("embedfleet_affinity_routed_total", 1,
                               {"model": self._model, "outcome": outcome})
         except Exception:

@@ -12,7 +12,9 @@ Three phases per repeat, their order rotated each repeat (the machine is noisy; 
 The report gives the median over repeats of each figure and the ratios the design promises
 (interactive p99 mixed / idle <= 2; bulk texts/s mixed / solo >= 0.5; no interactive refusal).
 A bulk 429 is counted, never retried at once: bulk clients back off ``Retry-After`` as a corpus
-job does. Not part of ``make test`` (a timed figure belongs to the bench).
+job does. Each phase starts after a quiet pause longer than ``INTERACTIVE_RECENT_S``: a replica
+caps bulk by time while queries came that recently, so a ``bulk`` phase right after a phase with
+queries would start capped and not be bulk alone. Not part of ``make test`` (a timed figure belongs to the bench).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from embedfleet.deployments.request_path.admission import INTERACTIVE_RECENT_S
 
 PHASES = ("idle", "bulk", "mixed")
 GOALS = {"interactive_p99_ratio_max": 2.0, "bulk_throughput_ratio_min": 0.5}
@@ -145,6 +149,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         order = PHASES[rep % 3:] + PHASES[:rep % 3]
         results = []
         for phase in order:
+            await asyncio.sleep(INTERACTIVE_RECENT_S + 1)
             r = await _phase(args.url, args.model, phase, args.seconds, args.interactive,
                              args.bulk, args.bulk_batch, args.bulk_lane, args.encoding_format)
             print(f"repeat {rep + 1}/{args.repeats} {phase}: {json.dumps(r.summary())}",

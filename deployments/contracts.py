@@ -151,6 +151,8 @@ class BudgetView(_Model):
     admitted_bulk_total: int = 0
     inflight_bulk_sequences: int = 0
     inflight_bulk_tokens: int = 0
+    bulk_max_inflight_tokens: int = 0  # bulk's cap now: its share, or what drains in the bound
+    drain_tokens_per_s: float | None = None  # the card's measured rate (request_path/drain_rate)
     waiting_bulk: int = 0
     oversize_total: int
     cancelled_total: int

@@ -114,6 +114,7 @@ class EngineReplica:
             bulk_max_waiting=m.admission.bulk_max_waiting,
             bulk_max_inflight_share=m.admission.bulk_max_inflight_share,
             bulk_min_share=m.admission.bulk_min_share,
+            bulk_max_drain_s=m.admission.bulk_max_drain_s,
             on_reject=lambda why: self.recorder.inc("embedfleet_overload_rejections_total", 1,
                                                     {"model": model_name, "reason": why}))
         self.prefix = PrefixCacheController(

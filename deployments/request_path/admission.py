@@ -14,7 +14,10 @@ Rules, and why:
   with two bounds that keep both lanes honest:
   - bulk holds at most ``bulk_max_inflight_share`` of the budget (sequences and tokens), so an
     interactive call arriving during a bulk flood finds room at once instead of waiting for a
-    bulk call to finish;
+    bulk call to finish; and, while interactive calls come (one in the last
+    ``INTERACTIVE_RECENT_S``), at most the tokens the card drains in ``bulk_max_drain_s``
+    (``drain_rate.py``), so their steps do not wait behind seconds of bulk work on a slow device.
+    Bulk alone keeps its whole share;
   - while bulk waits, it is owed at least ``bulk_min_share`` of the tokens admitted (a deficit
     count, reset when bulk's queue empties), and interactive calls queue while it is owed, so a
     steady interactive stream never starves it;
@@ -56,12 +59,17 @@ from typing import Any
 
 from embedfleet.deployments.contracts import LANES, Lane
 from embedfleet.deployments.errors import Overloaded
+from embedfleet.deployments.request_path.drain_rate import DrainRate
 
 #: Reasons passed to ``on_reject`` (and shown in ``snapshot()["rejected"]``); bounded label values
 #: for ``embedfleet_overload_rejections_total{reason}``.
 REJECT_QUEUE_FULL = "budget_queue_full"
 REJECT_QUEUE_TIMEOUT = "budget_queue_timeout"
 REJECT_BULK_QUEUE_FULL = "bulk_queue_full"
+
+# The drain cap holds while an interactive call came this recently: a steady query stream keeps
+# it on, and a bulk job alone runs at its full share a few seconds after the last query.
+INTERACTIVE_RECENT_S = 10.0
 
 # Weight of the newest hold time in the EWMA: reacts within ~5 completions, ignores one outlier.
 _HOLD_EWMA_ALPHA = 0.2
@@ -99,7 +107,7 @@ class AdmissionBudget:
     def __init__(self, max_sequences: int, max_tokens: int, *, max_waiting: int = 1024,
                  queue_timeout_s: float = 30.0, max_retry_after_s: float = 60.0,
                  bulk_max_inflight_share: float = 0.75, bulk_min_share: float = 0.25,
-                 bulk_max_waiting: int | None = None,
+                 bulk_max_waiting: int | None = None, bulk_max_drain_s: float | None = None,
                  on_reject: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_waiting < 0:
@@ -114,6 +122,9 @@ class AdmissionBudget:
         self._bulk_max_waiting = max_waiting // 2 if bulk_max_waiting is None else bulk_max_waiting
         self._bulk_inflight_share = bulk_max_inflight_share
         self._bulk_min_share = bulk_min_share
+        self._bulk_max_drain_s = bulk_max_drain_s
+        self._drain = DrainRate(clock=clock)
+        self._last_interactive_t: float | None = None
         self._queue_timeout_s = queue_timeout_s
         self._max_retry_after_s = max_retry_after_s
         self._on_reject = on_reject
@@ -179,6 +190,8 @@ class AdmissionBudget:
         if n_seqs < 1 or n_tokens < 0:
             raise ValueError(f"admit needs n_seqs >= 1 and n_tokens >= 0, got {n_seqs}, {n_tokens}")
         timeout = self._queue_timeout_s if timeout_s is None else timeout_s
+        if lane == "interactive":
+            self._last_interactive_t = self._clock()
         ahead = self._ahead_of_new(lane)
         # An interactive call overtakes waiting bulk calls, unless bulk is owed its share.
         if not ahead and self._fits(n_seqs, n_tokens, lane) and not self._bulk_owed():
@@ -245,13 +258,25 @@ class AdmissionBudget:
         # The bulk cap binds only beside other bulk work: one bulk call never needs an idle card.
         if lane == "bulk" and (self._bulk_seqs or self._bulk_tokens) and (
                 self._bulk_seqs + n_seqs > self._bulk_inflight_share * self._max_seqs
-                or self._bulk_tokens + n_tokens > self._bulk_inflight_share * self._max_tokens):
+                or self._bulk_tokens + n_tokens > self.bulk_token_cap):
             return False
         return (self._inflight_seqs + n_seqs <= self._max_seqs
                 and self._inflight_tokens + n_tokens <= self._max_tokens)
 
+    @property
+    def bulk_token_cap(self) -> float:
+        """Bulk's in-flight tokens: its share of the budget, and what the card drains in
+        ``bulk_max_drain_s`` once a rate is measured."""
+        cap = self._bulk_inflight_share * self._max_tokens
+        rate, seen = self._drain.tokens_per_s, self._last_interactive_t
+        if (self._bulk_max_drain_s is None or rate is None or seen is None
+                or self._clock() - seen > INTERACTIVE_RECENT_S):
+            return cap
+        return min(cap, rate * self._bulk_max_drain_s)
+
     def _take(self, n_seqs: int, n_tokens: int, lane: Lane, in_window: bool) -> Admission:
         """``in_window``: bulk had waiters when this was admitted (bulk_min_share's count)."""
+        self._drain.tick(busy=self._inflight_seqs > 0)
         self._inflight_seqs += n_seqs
         self._inflight_tokens += n_tokens
         if lane == "bulk":
@@ -311,12 +336,14 @@ class AdmissionBudget:
             head.future.set_result(None)
 
     def _release(self, n_seqs: int, n_tokens: int, lane: Lane, held_s: float | None) -> None:
+        self._drain.tick(busy=True)
         self._inflight_seqs -= n_seqs
         self._inflight_tokens -= n_tokens
         if lane == "bulk":
             self._bulk_seqs -= n_seqs
             self._bulk_tokens -= n_tokens
-        if held_s is not None:
+        if held_s is not None:  # a finished call (None: a grant given back unused)
+            self._drain.finished(n_tokens)
             prev = self._hold_ewma_s
             self._hold_ewma_s = held_s if prev is None else (
                 _HOLD_EWMA_ALPHA * held_s + (1 - _HOLD_EWMA_ALPHA) * prev)
@@ -368,6 +395,8 @@ class AdmissionBudget:
             "admitted_bulk_total": self._admitted["bulk"],
             "inflight_bulk_sequences": self._bulk_seqs,
             "inflight_bulk_tokens": self._bulk_tokens,
+            "bulk_max_inflight_tokens": int(self.bulk_token_cap),
+            "drain_tokens_per_s": self._drain.tokens_per_s,
             "waiting_bulk": len(self._lanes["bulk"]),
             "oversize_total": self._oversize,
             "cancelled_total": self._cancelled,

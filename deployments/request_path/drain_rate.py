@@ -1,0 +1,49 @@
+"""DrainRate: how many tokens per second this card finishes while it has work in flight.
+
+Why it exists: the bulk lane's in-flight cap is meant to bound how long an interactive call
+arriving during a flood waits for the engine. A share of the budget bounds tokens, not time, and
+the time a token takes is the device's: on a 910B a 12k-token step of a small encoder takes
+milliseconds, on two CPU cores about a second. So the admission budget caps bulk at what the
+card drains in ``bulk_max_drain_s`` (``AdmissionConfig``), measured here, on the device it runs
+on, with no per-device constant.
+
+How: time counts only while something is in flight (an idle card says nothing about its speed),
+tokens count when their call releases the budget; every ``window_s`` of busy time gives one sample
+(tokens / busy seconds), smoothed by an EWMA. The figure is the throughput at the load the card
+had, so under a cap it settles where the bulk in flight drains in about ``bulk_max_drain_s``:
+a fixed point, never zero (one bulk call is always admitted beside no other bulk).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+_ALPHA = 0.3  # weight of the newest window: follows a change of load within a few seconds
+
+
+class DrainRate:
+    def __init__(self, window_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._window_s = window_s
+        self._clock = clock
+        self._last: float | None = None  # when busy time was last accounted
+        self._busy_s = 0.0
+        self._tokens = 0
+        self.tokens_per_s: float | None = None  # None until one busy window has passed
+
+    def tick(self, busy: bool) -> None:
+        """Account the time since the last tick; ``busy``: was work in flight all that time.
+        Call it before every change of the in-flight counts."""
+        now = self._clock()
+        if busy and self._last is not None:
+            self._busy_s += now - self._last
+        self._last = now
+
+    def finished(self, tokens: int) -> None:
+        """A call released ``tokens``; after ``tick(busy=True)``."""
+        self._tokens += tokens
+        if self._busy_s >= self._window_s:
+            sample = self._tokens / self._busy_s
+            prev = self.tokens_per_s
+            self.tokens_per_s = sample if prev is None else _ALPHA * sample + (1 - _ALPHA) * prev
+            self._busy_s, self._tokens = 0.0, 0

@@ -1,0 +1,133 @@
+"""Bulk's in-flight cap in time, not only in tokens: while interactive calls come, the card's
+measured drain rate times ``bulk_max_drain_s`` (request_path/drain_rate.py, admission.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from embedfleet.deployments.config import ConfigError, parse_config
+from embedfleet.deployments.request_path.admission import INTERACTIVE_RECENT_S, AdmissionBudget
+from embedfleet.deployments.request_path.drain_rate import DrainRate
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_drain_rate_counts_tokens_over_busy_time_only():
+    clock = Clock()
+    d = DrainRate(window_s=1.0, clock=clock)
+    d.tick(busy=False)            # a call starts on an idle card
+    clock.t += 2.0
+    d.tick(busy=True)
+    d.finished(400)               # 400 tokens in 2 busy seconds
+    assert d.tokens_per_s == pytest.approx(200)
+    clock.t += 60                 # an idle minute says nothing about the card's speed
+    d.tick(busy=False)
+    clock.t += 1.0
+    d.tick(busy=True)
+    d.finished(1200)              # a faster window moves the EWMA toward 1,200/s, not past it
+    assert 200 < d.tokens_per_s < 1200
+    assert d.tokens_per_s == pytest.approx(0.3 * 1200 + 0.7 * 200)
+
+
+def test_drain_rate_waits_for_a_whole_window():
+    clock = Clock()
+    d = DrainRate(window_s=1.0, clock=clock)
+    d.tick(busy=False)
+    clock.t += 0.4
+    d.tick(busy=True)
+    d.finished(1000)
+    assert d.tokens_per_s is None  # 0.4 s of busy time is not a measurement yet
+    clock.t += 0.6
+    d.tick(busy=True)
+    d.finished(0)
+    assert d.tokens_per_s == pytest.approx(1000)
+
+
+async def _measure(b: AdmissionBudget, clock: Clock, tokens: int, seconds: float) -> None:
+    """One interactive call of ``tokens`` that holds the card for ``seconds``."""
+    async with b.admit(1, tokens):
+        clock.t += seconds
+
+
+def test_bulk_in_flight_is_capped_at_what_the_card_drains_in_the_bound():
+    async def main():
+        clock = Clock()
+        b = AdmissionBudget(256, 16384, max_waiting=100, bulk_max_drain_s=0.25, clock=clock)
+        assert b.bulk_token_cap == pytest.approx(0.75 * 16384)  # nothing measured: the share
+        await _measure(b, clock, 1000, 1.0)                      # a slow card: 1,000 tokens/s
+        assert b.snapshot()["drain_tokens_per_s"] == pytest.approx(1000)
+        assert b.bulk_token_cap == pytest.approx(250)
+
+        release = asyncio.Event()
+        bulk = [asyncio.create_task(_hold(b, "bulk", release, tokens=100)) for _ in range(10)]
+        await asyncio.sleep(0.01)
+        snap = b.snapshot()
+        assert snap["inflight_bulk_tokens"] == 200 and snap["waiting_bulk"] == 8  # 250 // 100
+        got: list[str] = []
+        inter = asyncio.create_task(_hold(b, "interactive", release, tokens=3000, log=got))
+        await asyncio.sleep(0.01)
+        assert got == ["interactive"]  # the cap is bulk's alone
+        release.set()
+        await asyncio.gather(*bulk, inter)
+        assert b.snapshot()["admitted_bulk_total"] == 10  # all served, two at a time
+        clock.t += INTERACTIVE_RECENT_S + 1  # no query for a while: bulk alone gets its share
+        assert b.bulk_token_cap == pytest.approx(0.75 * 16384)
+        await _measure(b, clock, 10, 0.001)  # a query comes: the cap is back
+        assert b.bulk_token_cap < 0.75 * 16384
+
+    asyncio.run(main())
+
+
+def test_a_bulk_call_larger_than_the_cap_still_runs_when_no_other_bulk_is_in_flight():
+    async def main():
+        clock = Clock()
+        b = AdmissionBudget(256, 16384, max_waiting=100, bulk_max_drain_s=0.25, clock=clock)
+        await _measure(b, clock, 100, 1.0)  # 100 tokens/s: cap 25 tokens
+        release = asyncio.Event()
+        got: list[str] = []
+        calls = [asyncio.create_task(_hold(b, "bulk", release, tokens=500, log=got, tag=f"b{i}"))
+                 for i in range(2)]
+        await asyncio.sleep(0.01)
+        assert got == ["b0"]  # one at a time: never starved by its own cap
+        release.set()
+        await asyncio.gather(*calls)
+        assert got == ["b0", "b1"]
+
+    asyncio.run(main())
+
+
+def test_fast_card_keeps_the_share_and_no_bound_keeps_the_share():
+    async def main():
+        for drain_s, rate_tokens in ((0.25, 100_000), (None, 100)):
+            clock = Clock()
+            b = AdmissionBudget(256, 16384, bulk_max_drain_s=drain_s, clock=clock)
+            await _measure(b, clock, rate_tokens, 1.0)
+            assert b.bulk_token_cap == pytest.approx(0.75 * 16384), drain_s
+
+    asyncio.run(main())
+
+
+def test_bulk_max_drain_s_is_validated_at_load():
+    m = {"name": "m", "source": {"path": "/m"}}
+    cfg = parse_config({"models": [m]}, "t")
+    assert cfg.models[0].admission.bulk_max_drain_s == 0.25
+    off = parse_config({"models": [{**m, "admission": {"bulk_max_drain_s": None}}]}, "t")
+    assert off.models[0].admission.bulk_max_drain_s is None
+    with pytest.raises(ConfigError, match=r"bulk_max_drain_s"):
+        parse_config({"models": [{**m, "admission": {"bulk_max_drain_s": 0}}]}, "t")
+
+
+async def _hold(budget: AdmissionBudget, lane: str, release: asyncio.Event, tokens: int,
+                log: list[str] | None = None, tag: str = "") -> None:
+    async with budget.admit(1, tokens, lane=lane):
+        if log is not None:
+            log.append(tag or lane)
+        await release.wait()

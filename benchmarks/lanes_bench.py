@@ -14,7 +14,8 @@ The report gives the median over repeats of each figure and the ratios the desig
 A bulk 429 is counted, never retried at once: bulk clients back off ``Retry-After`` as a corpus
 job does. Each phase starts after a quiet pause longer than ``INTERACTIVE_RECENT_S``: a replica
 caps bulk by time while queries came that recently, so a ``bulk`` phase right after a phase with
-queries would start capped and not be bulk alone. Not part of ``make test`` (a timed figure belongs to the bench).
+queries would start capped and not be bulk alone. Not part of ``make test`` (a timed figure
+belongs to the bench).
 """
 
 from __future__ import annotations

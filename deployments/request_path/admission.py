@@ -59,7 +59,7 @@ from typing import Any
 
 from embedfleet.deployments.contracts import LANES, Lane
 from embedfleet.deployments.errors import Overloaded
-from embedfleet.deployments.request_path.drain_rate import DrainRate
+from embedfleet.deployments.request_path.drain_rate import DrainRate, ewma
 
 #: Reasons passed to ``on_reject`` (and shown in ``snapshot()["rejected"]``); bounded label values
 #: for ``embedfleet_overload_rejections_total{reason}``.
@@ -344,9 +344,7 @@ class AdmissionBudget:
             self._bulk_tokens -= n_tokens
         if held_s is not None:  # a finished call (None: a grant given back unused)
             self._drain.finished(n_tokens)
-            prev = self._hold_ewma_s
-            self._hold_ewma_s = held_s if prev is None else (
-                _HOLD_EWMA_ALPHA * held_s + (1 - _HOLD_EWMA_ALPHA) * prev)
+            self._hold_ewma_s = ewma(self._hold_ewma_s, held_s, _HOLD_EWMA_ALPHA)
         self._wake()
 
     # -- refusal ---------------------------------------------------------------------------------

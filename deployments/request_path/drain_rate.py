@@ -2,10 +2,10 @@
 
 Why it exists: the bulk lane's in-flight cap is meant to bound how long an interactive call
 arriving during a flood waits for the engine. A share of the budget bounds tokens, not time, and
-the time a token takes is the device's: on a 910B a 12k-token step of a small encoder takes
-milliseconds, on two CPU cores about a second. So the admission budget caps bulk at what the
-card drains in ``bulk_max_drain_s`` (``AdmissionConfig``), measured here, on the device it runs
-on, with no per-device constant.
+the time a token takes is the device's: on two CPU cores a 12k-token step of MiniLM took about a
+second, and on a 910B it should take milliseconds (not measured on a card). So the admission
+budget caps bulk at what the card drains in ``bulk_max_drain_s`` (``AdmissionConfig``), measured
+here, on the device it runs on, with no per-device constant.
 
 How: time counts only while something is in flight (an idle card says nothing about its speed),
 tokens count when their call releases the budget; every ``window_s`` of busy time gives one sample
@@ -20,6 +20,11 @@ import time
 from collections.abc import Callable
 
 _ALPHA = 0.3  # weight of the newest window: follows a change of load within a few seconds
+
+
+def ewma(prev: float | None, sample: float, alpha: float) -> float:
+    """An exponentially weighted mean that starts at its first sample."""
+    return sample if prev is None else alpha * sample + (1 - alpha) * prev
 
 
 class DrainRate:
@@ -43,7 +48,5 @@ class DrainRate:
         """A call released ``tokens``; after ``tick(busy=True)``."""
         self._tokens += tokens
         if self._busy_s >= self._window_s:
-            sample = self._tokens / self._busy_s
-            prev = self.tokens_per_s
-            self.tokens_per_s = sample if prev is None else _ALPHA * sample + (1 - _ALPHA) * prev
+            self.tokens_per_s = ewma(self.tokens_per_s, self._tokens / self._busy_s, _ALPHA)
             self._busy_s, self._tokens = 0.0, 0

@@ -210,6 +210,9 @@ class ReplicaDescription(_Model):
     device: str
     pid: int
     ready: bool
+    # False while an engine swap holds the replica's calls at its gate (minutes on a card): the
+    # routers hold calls for it as for a replica starting, instead of cutting them.
+    serving: bool = True
     max_model_len: int
     dimensions: int
     matryoshka_dimensions: list[int]
@@ -226,9 +229,11 @@ class ReplicaDescription(_Model):
 
 class RoutingStats(_Model):
     """What a replica tells Serve's request router every few seconds (``record_routing_stats``;
-    Serve carries it as a dict): whether a call's prefix can hit its cache now."""
+    Serve carries it as a dict): whether a call's prefix can hit its cache now, and whether its
+    engine takes calls now (False while a swap holds them at its gate)."""
 
     prefix_cache: bool
+    serving: bool = True
 
 
 class Override(_Model):
@@ -276,8 +281,8 @@ class ModelReadiness(_Model):
     """Whether a model can serve now, for the router's fail-fast (registry -> router, ~1 s old).
 
     ``starting``: replica actors that exist (or are being created on a node with a free card)
-    but are not ready yet — an engine loading, or a replacement on its way. ``waiting``: why
-    replicas wait for a card no node has free ("" if none wait)."""
+    but are not serving yet — an engine loading or swapping, or a replacement on its way.
+    ``waiting``: why replicas wait for a card no node has free ("" if none wait)."""
 
     ready: int
     starting: int

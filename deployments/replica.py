@@ -141,7 +141,8 @@ class EngineReplica:
             cpu_card=CpuCardModel(cfg.platform.cpu_card_memory_bytes) if kind == "cpu" else None)
         self.reporter = Reporter(replica_id=self.replica_id, card=self.card, platform=kind,
                                  path=self.path, prefix=self.prefix, follower=self.follower,
-                                 registry=registry, healthy=self._ready)
+                                 registry=registry, healthy=self._ready,
+                                 serving=lambda: self.gate.is_open)
         self._healthy = True
         self._health_engine: EmbeddingEngine | None = None  # the engine the last probe embedded on
         self._health_embedded_at = 0.0
@@ -205,7 +206,8 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's request router polls this (``deployments/request_path/affinity.py``): a
         replica whose prefix cache is off gets no prefix-affinity preference."""
-        return RoutingStats(prefix_cache=self.prefix.reads_cache).model_dump()
+        return RoutingStats(prefix_cache=self.prefix.reads_cache,
+                            serving=self.gate.is_open).model_dump()
 
     async def check_health(self) -> None:
         """Serve's health check: really embed something, within a bound.

@@ -107,3 +107,47 @@ def test_a_cold_call_whose_replica_came_up_early_and_hangs_is_cut_near_the_usual
         run(await_with_hold(answer_after(30), 3.0, 10, replica_ready_after(0), sent_cold=True))
     waited = time.monotonic() - t0
     assert not info.value.no_replica and 3.9 <= waited < 5.0, waited
+
+
+def ready_except_between(start: float, end: float):
+    t0 = time.monotonic()
+
+    async def has_ready() -> bool:
+        return not start <= time.monotonic() - t0 < end
+    return has_ready
+
+
+def held_while_not_ready(has_ready, hold: float):
+    # What the router passes: a hold while the model has no ready replica but one is coming.
+    # (The readiness view is read synchronously there; here a tiny loop-free stand-in.)
+    state = {"ready": True}
+
+    async def watched() -> bool:
+        state["ready"] = await has_ready()
+        return state["ready"]
+    return watched, (lambda: 0.0 if state["ready"] else hold)
+
+
+def test_a_call_whose_replica_stops_serving_while_it_is_out_is_held_not_cut():
+    # Sent to a serving model; at 0.5 s its only replica starts an engine swap (its calls wait
+    # at its gate) until 2.5 s; the answer comes at 2.8 s, past request_timeout_s (1.5 s). The
+    # hold is asked when the timeout runs out, not fixed when the call was sent (a CI run cut
+    # such a call at request_timeout_s with a 503 while the replica held it for its swap).
+    has_ready, hold = held_while_not_ready(ready_except_between(0.5, 2.5), 10)
+    assert run(await_with_hold(answer_after(2.8), 1.5, hold, has_ready)) == "ok"
+    has_ready, _ = held_while_not_ready(ready_except_between(0.5, 2.5), 10)
+    with pytest.raises(HoldExpired) as info:  # the hold fixed at send time: cut at the timeout
+        run(await_with_hold(answer_after(2.8), 1.5, 0.0, has_ready))
+    assert info.value.no_replica
+
+
+def test_a_call_whose_replica_swapped_and_came_back_gets_the_usual_time_from_then():
+    # The swap runs from 0.5 s to 1.2 s (seen by the look at 1 s), the replica is ready again
+    # at the timeout (1.5 s), and the call queued behind the swap answers at 2.0 s: it gets
+    # request_timeout_s from when the replica was seen back. A call that met no outage does not.
+    has_ready, hold = held_while_not_ready(ready_except_between(0.5, 1.2), 10)
+    assert run(await_with_hold(answer_after(2.0), 1.5, hold, has_ready)) == "ok"
+    has_ready, hold = held_while_not_ready(ready_except_between(99, 100), 10)
+    with pytest.raises(HoldExpired) as info:
+        run(await_with_hold(answer_after(2.0), 1.5, hold, has_ready))
+    assert not info.value.no_replica

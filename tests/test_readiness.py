@@ -130,3 +130,21 @@ def test_a_replacement_waiting_for_a_card_another_model_scaled_up_into_is_still_
                             reclaimable_cards=0) == 1
     # a model's own extra replicas do not count for itself
     assert reclaimable_cards({"engine-q": 3}, {"engine-q": 1}, but="engine-q") == 0
+
+
+def test_a_replica_swapping_its_engine_counts_as_starting_not_ready():
+    # Its heartbeat says ready (healthy) but not serving: its calls wait at the gate for the new
+    # engine. Counted ready, the router cut them at request_timeout_s (a 503 in a CI run whose
+    # swap took ~2 min); counted starting, they are held like a cold start's.
+    from embedfleet.deployments.contracts import ReplicaDescription
+    from embedfleet.deployments.control.registry import serving_now
+
+    def replica(pid: int, ready: bool = True, serving: bool = True) -> ReplicaDescription:
+        return ReplicaDescription.model_construct(node_id="n", pid=pid, ready=ready,
+                                                  serving=serving)
+
+    fleet = [replica(1), replica(2, serving=False), replica(3, ready=False)]
+    assert serving_now(fleet) == 1
+    assert serving_now(fleet, alive={("n", 2), ("n", 3)}) == 0
+    assert serving_now([replica(4)], alive={("n", 4)}) == 1
+    assert ReplicaDescription.model_fields["serving"].default is True  # older replicas: serving

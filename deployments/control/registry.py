@@ -33,6 +33,14 @@ OVERRIDES = "prefix_cache_override"  # durable kind: one key per model
 READINESS_TTL_S = 1.0  # routers poll readiness about once a second; one actor-table read serves all
 
 
+def serving_now(records: list[ReplicaDescription],
+                alive: set[tuple[str, int]] | None = None) -> int:
+    """How many replicas take calls now: healthy, their engine gate open (one mid-swap holds its
+    calls, so it counts as starting), and, when ``alive`` is known, their actor still ALIVE."""
+    return sum(1 for r in records if r.ready and r.serving
+               and (alive is None or (r.node_id, r.pid) in alive))
+
+
 class FleetRegistry:
     def __init__(self, config: dict[str, Any] | None = None,
                  ttl_s: float = HEARTBEAT_TTL_S) -> None:
@@ -121,7 +129,7 @@ class FleetRegistry:
     def _readiness_of(self, snapshot: dict[str, list[ReplicaDescription]]
                       ) -> dict[str, ModelReadiness]:
         # A heartbeat says "ready" for up to ttl_s after its replica died; only replicas whose
-        # actor is still ALIVE count. ALIVE but not ready is an engine loading (or swapping);
+        # actor is still ALIVE count. ALIVE but not serving is an engine loading (or swapping);
         # an actor still being created is "starting" if a card is free, or will be soon
         # (placement.PLACEMENT_GRACE_S), else it waits for one.
         assert self.cfg is not None
@@ -135,8 +143,7 @@ class FleetRegistry:
         for m in self.cfg.models:
             d = engine_deployment_name(m.name)
             alive = actors.alive.get(d, set())
-            ready = sum(1 for r in snapshot.get(m.name, [])
-                        if r.ready and (r.node_id, r.pid) in alive)
+            ready = serving_now(snapshot.get(m.name, []), alive)
             creating = actors.creating.get(d, 0)
             if creating:
                 since = self._creating_since.setdefault(d, now)
@@ -157,7 +164,7 @@ class FleetRegistry:
         out = {}
         for m in self.cfg.models:
             records = snapshot.get(m.name, [])
-            ready = sum(1 for r in records if r.ready)
+            ready = serving_now(records)
             out[m.name] = ModelReadiness(ready=ready, starting=len(records) - ready,
                                          checked_at=now)
         return out

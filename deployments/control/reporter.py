@@ -29,7 +29,8 @@ logger = logging.getLogger("embedfleet.reporter")
 class Reporter:
     def __init__(self, *, replica_id: str, card: CardIdentity, platform: str,
                  path: RequestPath, prefix: PrefixCacheController, follower: LimitsFollower,
-                 registry: Any, healthy: Callable[[], bool]) -> None:
+                 registry: Any, healthy: Callable[[], bool],
+                 serving: Callable[[], bool]) -> None:
         self.replica_id = replica_id
         self._card = card
         self._platform = platform
@@ -38,6 +39,7 @@ class Reporter:
         self._follower = follower
         self._registry = registry
         self._healthy = healthy
+        self._serving = serving
         self._tags = {"model": path.model, "node": card.node, "device": card.device}
 
     def describe(self) -> ReplicaDescription:
@@ -46,7 +48,8 @@ class Reporter:
         return ReplicaDescription(
             replica_id=self.replica_id, model=path.model, node_id=self._card.node_id,
             node=self._card.node, node_ip=self._card.node_ip, device=self._card.device,
-            pid=os.getpid(), ready=self._healthy(), max_model_len=info.max_model_len,
+            pid=os.getpid(), ready=self._healthy(), serving=self._serving(),
+            max_model_len=info.max_model_len,
             dimensions=info.hidden_size,
             matryoshka_dimensions=list(info.matryoshka_dimensions or []), dtype=info.dtype,
             block_size=info.block_size, engine_version=info.engine_version,

@@ -3,7 +3,9 @@
 * A model that should always have a replica (min >= 1) but has none ready and none starting
   answers 503 + Retry-After at once (``request_path.readiness``), not after ``request_timeout_s``.
 * A call is held (``cold_start_hold_s``) while its model has no ready replica but one is on its
-  way: a scale-to-zero model's cold start, or a replacement for a replica that died.
+  way: a scale-to-zero model's cold start, a replacement for a replica that died, or an engine
+  swap (the registry counts a replica whose gate holds calls as starting, not ready), whether
+  that began before the call was sent or while it was out.
 * A call whose replica or engine died is retried (inputs are idempotent): on another replica if
   there is one, else on the replacement, until the bound — the larger of ``request_timeout_s``
   and ``cold_start_hold_s`` — passes; then 503 + Retry-After saying why.
@@ -77,7 +79,7 @@ class RemoteCaller:
             sent_cold = hold_s > 0 and not self._readiness.has_ready_now(call.model)
             response = self._handle.embed.remote(call)
             try:
-                return await await_with_hold(response, timeout, hold_s,
+                return await await_with_hold(response, timeout, lambda: self._hold_s(call.model),
                                              lambda: self._readiness.has_ready(call.model),
                                              lambda: self._unservable(call.model), sent_cold)
             except Refused as err:
@@ -96,7 +98,8 @@ class RemoteCaller:
                     why = self._readiness.waiting(call.model) or "no replica came up"
                     raise NotReady(f"model '{call.model}' has no ready replica; the request was "
                                    f"held {err.waited_s:.0f}s (cold_start_hold_s="
-                                   f"{hold_s:g}): {why}", retry_after_s=retry_after) from None
+                                   f"{self._cold_start_s:g}): {why}",
+                                   retry_after_s=retry_after) from None
                 raise EngineUnavailable(f"no replica answered within {err.waited_s:.0f}s",
                                         retry_after_s=retry_after) from None
             except (EngineUnavailable, *REPLICA_GONE) as err:

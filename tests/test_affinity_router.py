@@ -276,3 +276,25 @@ async def test_under_saturation_calls_without_a_preferred_replica_are_served_old
     assert waiting == list(range(len(calls) - len(waiting), len(calls))), waiting[:10]
     set_busy(0)
     await asyncio.wait_for(asyncio.gather(*calls), 10)  # and every call is routed
+
+
+@run_async
+async def test_a_replica_swapping_its_engine_gets_calls_only_when_the_others_are_full():
+    # b swaps its engine after a failed canary: its calls wait at its gate for the new engine
+    # (minutes on a card). Calls go to a, the keys b owns included, while a has room.
+    a, b = StandInReplica("a"), StandInReplica("b")
+    b.routing_stats = RoutingStats(prefix_cache=False, serving=False).model_dump()
+    router = make_router([a, b])
+    texts = queries(16)
+    seen = Counter([await route(router, pending(t)) for t in texts])
+    seen.update([await route(router, pending(t, method="tokenize_tei")) for t in texts[:4]])
+    assert seen == Counter({a.replica_id: 20}), seen
+    a.queue_len = a.max_ongoing_requests  # full: the swapping replica is better than no replica
+    router.replica_queue_len_cache.invalidate_key(a.replica_id)
+    assert await route(router, pending(texts[0])) == b.replica_id
+    # b's swap is over: both serve again, and the keys spread over both.
+    a.queue_len = 0
+    b.routing_stats = RoutingStats(prefix_cache=True).model_dump()
+    router.update_replicas([a, b])  # type: ignore[arg-type]
+    router.replica_queue_len_cache.invalidate_key(a.replica_id)
+    assert len({await route(router, pending(t)) for t in texts}) == 2

@@ -16,6 +16,8 @@ What it does (see ``config_routing.RoutingConfig``):
   power-of-two choice (its locality preference included) as the next rank; over the limit, or
   without a key, power-of-two alone. Only replicas that report their prefix cache on
   (``record_routing_stats``) are preferred: a model whose cache is off is routed as by default;
+* a replica swapping its engine (it holds its calls at its gate, for minutes on a card) is
+  tried last, after every replica that serves;
 * a replica a round found goes to that round's own call only when it is the call's preferred
   replica; any other goes to the oldest waiting call, as Serve's FIFO does, so under overload a
   call in a long backoff is not overtaken by younger ones.
@@ -118,6 +120,7 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         super().__init__(*args, **kwargs)
         self._ring = HashRing(64)
         self._caching: frozenset[ReplicaID] = frozenset()
+        self._holding: frozenset[ReplicaID] = frozenset()  # swapping: calls wait at their gate
         # Each keyed request's routing round, by id(metadata) (see _fulfill_next_pending_request).
         self._rounds: dict[int, KeyedRound] = {}
         self._offered: ReplicaID | None = None  # the replica being handed out right now
@@ -139,7 +142,9 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         super().update_replicas(replicas)
         try:
             self._ring.rebuild(frozenset(self._replica_id_set))
-            self._caching = frozenset(r.replica_id for r in replicas if _caches(r))
+            stats = {r.replica_id: _stats(r) for r in replicas}
+            self._caching = frozenset(rid for rid, s in stats.items() if s.prefix_cache)
+            self._holding = frozenset(rid for rid, s in stats.items() if not s.serving)
         except Exception:  # keep routing (power-of-two) whatever the stats say
             logger.exception("prefix-affinity router: replica update failed")
 
@@ -164,19 +169,29 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
             self._start_flusher()
             pow2 = await super().choose_replicas(candidate_replicas, pending_request)
             if pending_request is None:
-                return pow2
+                return self._holding_last(pow2)
             rid = self.preferred(pending_request)
             if rid is None:
-                return pow2
+                return self._holding_last(pow2)
             self._remember(pending_request, rid)
             loads = [self._load(r) for r in self._replica_id_set]
             if not under_bound(self._load(rid), loads, self._load_factor, self._min_bound):
-                return pow2
+                return self._holding_last(pow2)
             rest = [[r for r in rank if r.replica_id != rid] for rank in pow2]
-            return [[self._replicas[rid]], *(rank for rank in rest if rank)]
+            return self._holding_last([[self._replicas[rid]], *(rank for rank in rest if rank)])
         except Exception:  # never leave a request unrouted
             logger.exception("prefix-affinity router: choose_replicas failed; any replica")
             return [candidate_replicas]
+
+    def _holding_last(self, ranks: list[list[RunningReplica]]) -> list[list[RunningReplica]]:
+        """Replicas swapping their engine move to a last rank: a call sent there waits for the
+        new engine (minutes on a card) while another replica could answer it now."""
+        if not self._holding:
+            return ranks
+        serving = [[r for r in rank if r.replica_id not in self._holding] for rank in ranks]
+        held = [r for rank in ranks for r in rank if r.replica_id in self._holding]
+        out = [rank for rank in serving if rank]
+        return [*out, held] if out and held else ranks
 
     def _remember(self, pending_request: PendingRequest, rid: ReplicaID) -> None:
         if len(self._rounds) > ROUNDS_PRUNE_AT:  # cancelled calls never reach on_request_routed
@@ -221,14 +236,14 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
             self._flusher = asyncio.get_running_loop().create_task(self._rec.flush_forever())
 
 
-def _caches(replica: RunningReplica) -> bool:
-    """Whether the replica said its prefix cache is on (no report yet, or one this version
-    cannot read, e.g. mid-upgrade: no preference for that replica alone)."""
+def _stats(replica: RunningReplica) -> RoutingStats:
+    """What the replica said: its prefix cache on, its engine serving. No report yet, or one this
+    version cannot read (e.g. mid-upgrade): no preference for that replica, and not held back."""
     stats = replica.routing_stats
     if not stats:
-        return False
+        return RoutingStats(prefix_cache=False)
     try:
-        return RoutingStats.model_validate(stats).prefix_cache
+        return RoutingStats.model_validate(stats)
     except ValueError:
         logger.warning("prefix-affinity router: unreadable routing stats %r", stats)
-        return False
+        return RoutingStats(prefix_cache=False)

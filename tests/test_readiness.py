@@ -147,4 +147,10 @@ def test_a_replica_swapping_its_engine_counts_as_starting_not_ready():
     assert serving_now(fleet) == 1
     assert serving_now(fleet, alive={("n", 2), ("n", 3)}) == 0
     assert serving_now([replica(4)], alive={("n", 4)}) == 1
-    assert ReplicaDescription.model_fields["serving"].default is True  # older replicas: serving
+    # A heartbeat pickled by a replica older than the field (a rolling upgrade): pydantic
+    # restores its __dict__ as it was, without the default, and it still counts.
+    old = replica(5).__getstate__()
+    old["__dict__"] = {k: v for k, v in old["__dict__"].items() if k != "serving"}
+    older = ReplicaDescription.__new__(ReplicaDescription)
+    older.__setstate__(old)
+    assert not hasattr(older, "serving") and serving_now([older]) == 1

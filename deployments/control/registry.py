@@ -36,8 +36,10 @@ READINESS_TTL_S = 1.0  # routers poll readiness about once a second; one actor-t
 def serving_now(records: list[ReplicaDescription],
                 alive: set[tuple[str, int]] | None = None) -> int:
     """How many replicas take calls now: healthy, their engine gate open (one mid-swap holds its
-    calls, so it counts as starting), and, when ``alive`` is known, their actor still ALIVE."""
-    return sum(1 for r in records if r.ready and r.serving
+    calls, so it counts as starting), and, when ``alive`` is known, their actor still ALIVE.
+    A heartbeat pickled by a replica older than the ``serving`` field has no such attribute
+    (pydantic restores the old ``__dict__`` as is, without defaults): it serves when ready."""
+    return sum(1 for r in records if r.ready and getattr(r, "serving", True)
                and (alive is None or (r.node_id, r.pid) in alive))
 
 

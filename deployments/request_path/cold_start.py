@@ -102,7 +102,11 @@ async def await_with_hold(call: Awaitable[Any], request_timeout_s: float,
                     done, _ = await asyncio.wait({task}, timeout=min(left, 2.0))
                     left = hold - (time.monotonic() - t0)
                     if not done and await has_ready_replica():
-                        done, _ = await asyncio.wait({task}, timeout=request_timeout_s)
+                        # Its usual time on the replica, within the call's bound.
+                        until = min(time.monotonic() + request_timeout_s,
+                                    t0 + max(request_timeout_s, hold))
+                        done, _ = await asyncio.wait(
+                            {task}, timeout=max(0.0, until - time.monotonic()))
                         no_replica = False
                         break
         if not done:

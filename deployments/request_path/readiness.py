@@ -72,6 +72,11 @@ class ReadinessView:
         r = self.get(model)
         return r is not None and r.ready == 0 and r.starting > 0
 
+    def has_starting(self, model: str) -> bool:
+        """A replica of ``model`` is on its way: loading, replaced, or swapping its engine."""
+        r = self.get(model)
+        return r is not None and r.starting > 0
+
     def has_ready_now(self, model: str) -> bool:
         r = self.get(model)
         return r is not None and r.ready > 0

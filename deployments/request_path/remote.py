@@ -6,6 +6,9 @@
   way: a scale-to-zero model's cold start, a replacement for a replica that died, or an engine
   swap (the registry counts a replica whose gate holds calls as starting, not ready), whether
   that began before the call was sent or while it was out.
+* A call not answered within ``request_timeout_s`` while a replica of its model is starting or
+  swapping its engine (it may have waited at that replica's gate) is sent again, within the
+  bound.
 * A call whose replica or engine died is retried (inputs are idempotent): on another replica if
   there is one, else on the replacement, until the bound — the larger of ``request_timeout_s``
   and ``cold_start_hold_s`` — passes; then 503 + Retry-After saying why.
@@ -77,9 +80,11 @@ class RemoteCaller:
             timeout = max(0.1, min(self._router.request_timeout_s,
                                    deadline - time.monotonic()))
             sent_cold = hold_s > 0 and not self._readiness.has_ready_now(call.model)
+            left_s = deadline - time.monotonic()  # a retry's hold stays within the call's bound
             response = self._handle.embed.remote(call)
             try:
-                return await await_with_hold(response, timeout, lambda: self._hold_s(call.model),
+                return await await_with_hold(response, timeout,
+                                             lambda: min(self._hold_s(call.model), left_s),
                                              lambda: self._readiness.has_ready(call.model),
                                              lambda: self._unservable(call.model), sent_cold)
             except Refused as err:
@@ -100,6 +105,16 @@ class RemoteCaller:
                                    f"held {err.waited_s:.0f}s (cold_start_hold_s="
                                    f"{self._cold_start_s:g}): {why}",
                                    retry_after_s=retry_after) from None
+                if (self._readiness.has_starting(call.model)
+                        and time.monotonic() + 1.0 < deadline):
+                    # Another replica of the model serves while one swaps its engine (or
+                    # starts): the call may have waited at that replica's gate. Send it again;
+                    # the affinity router ranks a swapping replica last.
+                    attempt += 1
+                    logger.warning("%s: no answer within %.0fs while a replica of %s is "
+                                   "starting or swapping; sending it again (attempt %d)",
+                                   call.request_id, err.waited_s, call.model, attempt)
+                    continue
                 raise EngineUnavailable(f"no replica answered within {err.waited_s:.0f}s",
                                         retry_after_s=retry_after) from None
             except (EngineUnavailable, *REPLICA_GONE) as err:

@@ -298,3 +298,17 @@ async def test_a_replica_swapping_its_engine_gets_calls_only_when_the_others_are
     router.update_replicas([a, b])  # type: ignore[arg-type]
     router.replica_queue_len_cache.invalidate_key(a.replica_id)
     assert len({await route(router, pending(t)) for t in texts}) == 2
+
+
+@run_async
+async def test_with_three_replicas_a_swapping_one_comes_after_every_serving_one():
+    # Power-of-two samples two: a sample of [swapping b, full a] must still reach idle c.
+    a, b, c = StandInReplica("a"), StandInReplica("b"), StandInReplica("c")
+    b.routing_stats = RoutingStats(prefix_cache=False, serving=False).model_dump()
+    router = make_router([a, b, c])
+    ranks = router._holding_last([[b, a]], [a, b, c])
+    assert [[r.replica_id for r in rank] for rank in ranks] == [
+        [a.replica_id], [c.replica_id], [b.replica_id]]
+    a.queue_len = a.max_ongoing_requests
+    seen = Counter([await route(router, pending(t)) for t in queries(12)])
+    assert b.replica_id not in seen and seen[c.replica_id] == 12, seen

@@ -169,29 +169,37 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
             self._start_flusher()
             pow2 = await super().choose_replicas(candidate_replicas, pending_request)
             if pending_request is None:
-                return self._holding_last(pow2)
+                return self._holding_last(pow2, candidate_replicas)
             rid = self.preferred(pending_request)
             if rid is None:
-                return self._holding_last(pow2)
+                return self._holding_last(pow2, candidate_replicas)
             self._remember(pending_request, rid)
             loads = [self._load(r) for r in self._replica_id_set]
             if not under_bound(self._load(rid), loads, self._load_factor, self._min_bound):
-                return self._holding_last(pow2)
+                return self._holding_last(pow2, candidate_replicas)
             rest = [[r for r in rank if r.replica_id != rid] for rank in pow2]
-            return self._holding_last([[self._replicas[rid]], *(rank for rank in rest if rank)])
+            return self._holding_last([[self._replicas[rid]], *(rank for rank in rest if rank)],
+                                      candidate_replicas)
         except Exception:  # never leave a request unrouted
             logger.exception("prefix-affinity router: choose_replicas failed; any replica")
             return [candidate_replicas]
 
-    def _holding_last(self, ranks: list[list[RunningReplica]]) -> list[list[RunningReplica]]:
-        """Replicas swapping their engine move to a last rank: a call sent there waits for the
-        new engine (minutes on a card) while another replica could answer it now."""
-        if not self._holding:
+    def _holding_last(self, ranks: list[list[RunningReplica]],
+                      candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """Replicas swapping their engine go last, after every serving candidate (power-of-two
+        samples two, so with three or more replicas a sample of [swapping, busy] would otherwise
+        leave a third one idle): a call sent there waits for the new engine, minutes on a card.
+        """
+        held = [r for r in candidates if r.replica_id in self._holding]
+        if not held:
             return ranks
-        serving = [[r for r in rank if r.replica_id not in self._holding] for rank in ranks]
-        held = [r for rank in ranks for r in rank if r.replica_id in self._holding]
-        out = [rank for rank in serving if rank]
-        return [*out, held] if out and held else ranks
+        out = [[r for r in rank if r.replica_id not in self._holding] for rank in ranks]
+        out = [rank for rank in out if rank]
+        ranked = {r.replica_id for rank in out for r in rank}
+        others = [r for r in candidates if r.replica_id not in self._holding
+                  and r.replica_id not in ranked]
+        serving = [*out, others] if others else out
+        return [*serving, held] if serving else ranks
 
     def _remember(self, pending_request: PendingRequest, rid: ReplicaID) -> None:
         if len(self._rounds) > ROUNDS_PRUNE_AT:  # cancelled calls never reach on_request_routed

@@ -77,10 +77,9 @@ class RemoteCaller:
             if why is not None:
                 raise self._refuse(call.model, why)
             hold_s = self._hold_s(call.model)
-            timeout = max(0.1, min(self._router.request_timeout_s,
-                                   deadline - time.monotonic()))
+            left_s = deadline - time.monotonic()  # an attempt and its hold stay within the bound
+            timeout = max(0.1, min(self._router.request_timeout_s, left_s))
             sent_cold = hold_s > 0 and not self._readiness.has_ready_now(call.model)
-            left_s = deadline - time.monotonic()  # a retry's hold stays within the call's bound
             response = self._handle.embed.remote(call)
             try:
                 return await await_with_hold(response, timeout,

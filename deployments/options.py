@@ -136,6 +136,7 @@ def engine_deployment_options(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str
             "target_ongoing_requests": r.target_ongoing_requests,
             "upscale_delay_s": r.upscale_delay_s,
             "downscale_delay_s": r.downscale_delay_s,
+            "look_back_period_s": r.look_back_period_s,
         }
     return opts
 

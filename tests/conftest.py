@@ -85,13 +85,21 @@ _CLUSTER_UP: dict[str, subprocess.Popen] = {}
 LAST = ("test_ascend_install.py::test_ascend_install_resolves",)
 
 
+# Handles and replicas push Serve's autoscaling metrics every 10 s by default: up to 10 s more
+# before each scaling step of the autoscaling tests. The Ray processes inherit these from
+# `embedfleet up`'s environment (cluster/local.py passes it to `ray start`).
+AUTOSCALING_METRICS_EVERY_2S = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",
+                                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2"}
+
+
 def _start_cluster() -> subprocess.Popen:
     TEST_STATE.mkdir(parents=True, exist_ok=True)
     FAULT_ARM_FILE.unlink(missing_ok=True)
     E2E_CONFIG.write_text(E2E_TEMPLATE.read_text().replace("TINY_QWEN3",
                                                            str(build_tiny_qwen3_model())))
     serve_file = write_serve_config()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1",
+           **AUTOSCALING_METRICS_EVERY_2S}
     log = open(TEST_STATE / "up.log", "w")
     return subprocess.Popen([EMBEDFLEET, "up", "--detach", "--serve-config", str(serve_file)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, text=True)

@@ -116,12 +116,21 @@ def test_autoscaling_bounds_rendered():
 
 def test_autoscaling_delays_rendered_and_validated_by_serve():
     c = parse_config(cfg(models=[{**MODEL, "replicas": {
-        "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 2, "downscale_delay_s": 8}}]))
+        "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 2, "downscale_delay_s": 8,
+        "look_back_period_s": 12}}]))
     data = serve_config(c)
     ServeDeploySchema.model_validate(data)
     (engine,) = [d for d in data["applications"][0]["deployments"] if d["name"] == "engine-m"]
     assert engine["autoscaling_config"]["upscale_delay_s"] == 2
     assert engine["autoscaling_config"]["downscale_delay_s"] == 8
+    assert engine["autoscaling_config"]["look_back_period_s"] == 12
+
+
+def test_a_look_back_within_serves_metrics_interval_fails_at_load():
+    with pytest.raises(ConfigError,
+                       match=r"replicas.look_back_period_s: .*greater than 10 \(got 10\)"):
+        parse_config(cfg(models=[{**MODEL, "replicas": {
+            "min_replicas": 1, "max_replicas": 2, "look_back_period_s": 10}}]))
 
 
 def test_local_multi_node_needs_an_even_split_and_renders_either_proxy_location():

@@ -193,6 +193,10 @@ def test_prefix_cache_override_is_shown_and_can_be_cleared(cluster):
     assert "no override to clear" in again
     bad = run_cli("prefix-cache", "--app", "embedfleet", "--clear", "nope", check=False)
     assert bad.returncode == 2 and "not a model of application embedfleet" in bad.stderr
+    # The override is gone: disarm the fault injector too, or the next replica of the model
+    # (tests/test_e2e_reliability.py replaces it) fails its canary again and swaps engines, a
+    # second cold start (~50 s here) that a call of that test waited out at the gate.
+    FAULT_ARM_FILE.unlink(missing_ok=True)
 
 
 def test_canary_failure_is_in_prometheus(cluster):

@@ -49,7 +49,7 @@ DEPLOYMENT_OPTIONS = ("name", "num_replicas", "ray_actor_options", "max_ongoing_
                       "graceful_shutdown_timeout_s", "autoscaling_config", "request_router_config")
 # deployments/options.py engine_deployment_options: autoscaling_config keys.
 AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests",
-                    "upscale_delay_s", "downscale_delay_s")
+                    "upscale_delay_s", "downscale_delay_s", "look_back_period_s")
 # deployments/options.py card_actor_options and the router/registry/governor options.
 RAY_ACTOR_OPTIONS = ("num_cpus", "num_gpus", "resources")
 # cluster/local.py start_head and cluster/manifest_launcher.py (cluster launcher / on-prem commands).

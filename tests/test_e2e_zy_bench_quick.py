@@ -6,6 +6,10 @@ and `online` (one text a request, 16 in flight) workloads, and the run must writ
 and PNG chart. What would break if the harness broke: a peer that did not run, vectors that
 disagree between peers, missing ratios or goals, no chart.
 
+The run itself starts in the background early in the cluster tests
+(tests/support/background_bench.py: most of it is the two vLLM peers starting); this test waits
+for it and reads what it wrote. Run alone, the test starts it.
+
 Infinity (its own venv, a minute to start), the long/mixed/shared-instruction workloads and the
 prefix-cache comparison (two more engines) are left to `embedfleet bench`: with them this test
 took 5 to 12 minutes of `make test`'s 30.
@@ -14,31 +18,31 @@ took 5 to 12 minutes of `make test`'s 30.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from embedfleet.benchmarks import report as rpt
-from tests.conftest import MINILM, run_cli
+from tests.support.background_bench import BACKGROUND_BENCH, PEERS, WORKLOADS
 
 pytestmark = pytest.mark.cluster
 
-PEERS = ("vllm", "vllm-serve", "embedfleet")
-WORKLOADS = ("short", "online")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_quick_runs_every_peer_and_writes_json_and_png(cluster, tmp_path):
-    proc = run_cli("bench", "--quick", "--embedfleet-url", cluster, "--embedfleet-model", MINILM,
-                   "--peers", ",".join(PEERS), "--workloads", ",".join(WORKLOADS),
-                   "--out", str(tmp_path), timeout=1800, check=False)
-    if proc.returncode != 0:  # say which peer or run failed, not only the log's tail
-        written = tmp_path / "report.json"
+def test_bench_quick_runs_every_peer_and_writes_json_and_png(cluster):
+    # the run started in the background (tests/conftest.py), or now when this test runs alone
+    BACKGROUND_BENCH.start(cluster, env={**os.environ, "RAY_AUTH_MODE": "token"})
+    returncode = BACKGROUND_BENCH.wait()
+    out = BACKGROUND_BENCH.out
+    if returncode != 0:  # say which peer or run failed, not only the log's tail
+        written = out / "report.json"
         why = json.loads(written.read_text())["problems"] if written.exists() else "no report"
         errors = ([r for r in json.loads(written.read_text())["runs"] if r["error"]]
                   if written.exists() else [])
-        raise AssertionError(f"bench exited {proc.returncode}; problems: {why}; failed runs: "
-                             f"{errors}\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
-    report = json.loads((tmp_path / "report.json").read_text())
+        raise AssertionError(f"bench exited {returncode}; problems: {why}; failed runs: "
+                             f"{errors}\n{BACKGROUND_BENCH.log_tail()}")
+    report = json.loads((out / "report.json").read_text())
     assert rpt.check_schema(report) == [] and report["ok"] is True, report.get("problems")
     assert {p: s["status"] for p, s in report["peers"].items()} == {p: "ok" for p in PEERS}
     ran = {(r["workload"], r["peer"]) for r in report["runs"] if not r["error"]}
@@ -56,5 +60,5 @@ def test_bench_quick_runs_every_peer_and_writes_json_and_png(cluster, tmp_path):
             c = report["correctness"][workload][peer]
             assert c["ok"] and c["min_cosine"] >= 0.999, (workload, peer, c)
     assert report["ratios"]["embedfleet/vllm-serve"]["online"] > 0, report["ratios"]
-    png = (tmp_path / "chart.png").read_bytes()
+    png = (out / "chart.png").read_bytes()
     assert png[:8] == PNG_MAGIC and len(png) > 5000

@@ -1,0 +1,68 @@
+"""`embedfleet bench --quick` as a background run of the test session.
+
+The bench smoke test (tests/test_e2e_zy_bench_quick.py) spent 2 to 5 minutes of `make test`,
+mostly starting its two vLLM peers, with no request to embedfleet. tests/conftest.py starts it
+with the first cluster tests, beside tests that mostly wait (for Serve's timers, for cold starts
+that keep one core busy), and makes the later cluster tests wait for it; the test checks what it
+wrote.
+
+Its own module, so tests/conftest.py (which pytest imports as ``conftest``) and the test (which
+imports ``tests....``) share one instance.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EMBEDFLEET = str(Path(sys.executable).with_name("embedfleet"))
+MINILM = "all-minilm-l6-v2"
+PEERS = ("vllm", "vllm-serve", "embedfleet")
+WORKLOADS = ("short", "online")
+
+
+class BackgroundBench:
+    test_file = "test_e2e_zy_bench_quick.py"
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.wanted = False  # set by tests/conftest.py when the bench test is selected
+        self.proc: subprocess.Popen | None = None
+
+    def command(self, url: str) -> list[str]:
+        return [EMBEDFLEET, "bench", "--quick", "--embedfleet-url", url,
+                "--embedfleet-model", MINILM, "--peers", ",".join(PEERS),
+                "--workloads", ",".join(WORKLOADS), "--out", str(self.out)]
+
+    def start(self, url: str, env: dict[str, str] | None = None,
+              cwd: Path = ROOT) -> subprocess.Popen:
+        """Start the run, or return the one already started."""
+        if self.proc is None:
+            shutil.rmtree(self.out, ignore_errors=True)
+            self.out.mkdir(parents=True)
+            self.proc = subprocess.Popen(
+                self.command(url), cwd=cwd, text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                stdout=(self.out / "stdout.log").open("w"),
+                stderr=(self.out / "stderr.log").open("w"))
+        return self.proc
+
+    def wait(self, timeout_s: float = 1800) -> int:
+        """The run's exit code, once it ended (a run that outlives the timeout is stopped)."""
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def log_tail(self) -> str:
+        return "\n".join((self.out / name).read_text()[-3000:]
+                         for name in ("stdout.log", "stderr.log") if (self.out / name).exists())
+
+
+BACKGROUND_BENCH = BackgroundBench(ROOT / ".cache" / "test-session" / "bench-quick")

@@ -37,6 +37,15 @@ def cos(a, b):
     return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def disarm_the_fault_injector_afterwards():
+    """This file arms the cache-hit fault; the next replica of the faulty model (the reliability
+    tests replace it) would fail its canary again and swap engines, a second cold start (~50 s
+    here) that a call of those tests waited out at the gate."""
+    yield
+    FAULT_ARM_FILE.unlink(missing_ok=True)
+
+
 def test_minilm_reports_prefix_cache_off_with_reason(cluster):
     pc = model_info(cluster, MINILM)["prefix_cache"]
     assert pc["enabled"] is False and pc["state"] == "off"
@@ -193,10 +202,6 @@ def test_prefix_cache_override_is_shown_and_can_be_cleared(cluster):
     assert "no override to clear" in again
     bad = run_cli("prefix-cache", "--app", "embedfleet", "--clear", "nope", check=False)
     assert bad.returncode == 2 and "not a model of application embedfleet" in bad.stderr
-    # The override is gone: disarm the fault injector too, or the next replica of the model
-    # (tests/test_e2e_reliability.py replaces it) fails its canary again and swaps engines, a
-    # second cold start (~50 s here) that a call of that test waited out at the gate.
-    FAULT_ARM_FILE.unlink(missing_ok=True)
 
 
 def test_canary_failure_is_in_prometheus(cluster):

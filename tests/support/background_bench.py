@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,16 @@ class BackgroundBench:
         assert self.proc is not None
         try:
             return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return self.stop()
+
+    def stop(self) -> int:
+        """SIGINT first: the bench's `finally` stops its peers. `vllm serve` runs in a session of
+        its own, so a SIGKILLed bench would leave it holding its port for the next session."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()

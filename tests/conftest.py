@@ -24,6 +24,11 @@ TEST_STATE = ROOT / ".cache" / "test-session"
 E2E_CONFIG = TEST_STATE / "e2e-cpu.yaml"          # the template with the tiny model's path
 E2E_SERVE_CONFIG = TEST_STATE / "e2e-serve.yaml"  # rendered, plus the fault injector hook
 FAULT_ARM_FILE = TEST_STATE / "arm-cache-hit-fault"
+# The session's own state dir for `embedfleet` (pid files, Prometheus' TSDB), set before anything
+# reads the settings; every CLI call and the Ray processes inherit it. The default, ~/.embedfleet,
+# keeps the TSDB of every earlier run on the machine: at 310 MB, replaying its WAL after the
+# governor test restarts Prometheus took over 3 minutes, and the test failed waiting for it.
+os.environ.setdefault("EMBEDFLEET_STATE_DIR", str(TEST_STATE / "state"))
 TINY_QWEN3 = "tiny-qwen3"
 FAULTY_QWEN3 = "tiny-qwen3-faulty"
 EMBEDFLEET = str(Path(sys.executable).with_name("embedfleet"))

@@ -82,9 +82,9 @@ class ReplicaBounds(_Strict):
         default=600, description="Load must stay below target this long before one is removed "
         "(also the idle time before scaling to zero).")
     look_back_period_s: float = Field(
-        default=30, gt=10, allow_inf_nan=False, description="Serve averages the requests in flight over this window "
-        "for its scaling decisions, so load that stopped keeps counting this long before "
-        "downscale_delay_s starts. More than Serve's 10 s metrics interval.")
+        default=30, gt=10, allow_inf_nan=False, description="Serve averages the requests in "
+        "flight over this window for its scaling decisions, so load that stopped keeps counting "
+        "this long before downscale_delay_s starts. More than Serve's 10 s metrics interval.")
     cold_start_hold_s: PositiveFloat = Field(
         default=600, description="How long a request is held while the model has no ready "
         "engine: scaled to zero or waiting for a card (min_replicas 0 only, at the router), or "

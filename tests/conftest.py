@@ -139,7 +139,7 @@ def pytest_runtest_setup(item):
     outcome = yield  # the item's fixtures are set up: a cluster test has its cluster
     if (outcome.excinfo is None and bench.wanted and bench.proc is None and is_cluster
             and "cluster" in item.fixturenames and name.startswith(BESIDE_BENCH)):
-        bench.start(BASE_URL, env={**os.environ, "RAY_AUTH_MODE": "token"}, cwd=ROOT)
+        bench.start(BASE_URL)
 
 
 @pytest.fixture(scope="session")

@@ -16,12 +16,8 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-EMBEDFLEET = str(Path(sys.executable).with_name("embedfleet"))
-MINILM = "all-minilm-l6-v2"
 PEERS = ("vllm", "vllm-serve", "embedfleet")
 WORKLOADS = ("short", "online")
 
@@ -29,25 +25,29 @@ WORKLOADS = ("short", "online")
 class BackgroundBench:
     test_file = "test_e2e_zy_bench_quick.py"
 
-    def __init__(self, out: Path) -> None:
-        self.out = out
+    def __init__(self) -> None:
         self.wanted = False  # set by tests/conftest.py when the bench test is selected
         self.proc: subprocess.Popen | None = None
 
-    def command(self, url: str) -> list[str]:
-        return [EMBEDFLEET, "bench", "--quick", "--embedfleet-url", url,
-                "--embedfleet-model", MINILM, "--peers", ",".join(PEERS),
-                "--workloads", ",".join(WORKLOADS), "--out", str(self.out)]
+    @property
+    def out(self) -> Path:
+        from tests.conftest import TEST_STATE  # imported late: conftest imports this module
 
-    def start(self, url: str, env: dict[str, str] | None = None,
-              cwd: Path = ROOT) -> subprocess.Popen:
+        return TEST_STATE / "bench-quick"
+
+    def start(self, url: str) -> subprocess.Popen:
         """Start the run, or return the one already started."""
+        from tests.conftest import EMBEDFLEET, MINILM, ROOT
+
         if self.proc is None:
             shutil.rmtree(self.out, ignore_errors=True)
             self.out.mkdir(parents=True)
             self.proc = subprocess.Popen(
-                self.command(url), cwd=cwd, text=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                [EMBEDFLEET, "bench", "--quick", "--embedfleet-url", url,
+                 "--embedfleet-model", MINILM, "--peers", ",".join(PEERS),
+                 "--workloads", ",".join(WORKLOADS), "--out", str(self.out)],
+                cwd=ROOT, text=True,
+                env={**os.environ, "RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"},
                 stdout=(self.out / "stdout.log").open("w"),
                 stderr=(self.out / "stderr.log").open("w"))
         return self.proc
@@ -76,4 +76,4 @@ class BackgroundBench:
                          for name in ("stdout.log", "stderr.log") if (self.out / name).exists())
 
 
-BACKGROUND_BENCH = BackgroundBench(ROOT / ".cache" / "test-session" / "bench-quick")
+BACKGROUND_BENCH = BackgroundBench()

@@ -115,7 +115,9 @@ def pytest_collection_modifyitems(session, config, items):
     last = [i for i in items if any(i.nodeid.split("/")[-1].startswith(n) for n in LAST)]
     rest = [i for i in items if i not in cluster and i not in last]
     items[:] = rest + cluster + last
-    if cluster and "up" not in _CLUSTER_UP:
+    # Not for --collect-only: nothing runs, and a cluster started then outlives the command (one
+    # did, and the next session joined its Ray head and met its Prometheus on :9090).
+    if cluster and "up" not in _CLUSTER_UP and not config.option.collectonly:
         _CLUSTER_UP["up"] = _start_cluster()
     BACKGROUND_BENCH.wanted = any(i.nodeid.split("/")[-1].startswith(BACKGROUND_BENCH.test_file)
                                   for i in items)

@@ -15,6 +15,7 @@ Serve's calls to them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -230,11 +231,12 @@ class EngineReplica:
                 and time.monotonic() - self._health_embedded_at < HEALTH_EMBED_EVERY_S):
             await engine.check_health()
             return
+        deadline = time.monotonic() + self.cfg.health_check_timeout_s * 0.8
         try:
             ids = engine.tokenize([HEALTH_PROBE_TEXT])
             out = await asyncio.wait_for(
                 engine.embed(ids, request_id=f"health-{uuid.uuid4().hex[:8]}"),
-                timeout=self.cfg.health_check_timeout_s * 0.8)
+                timeout=deadline - time.monotonic())
             if not np.isfinite(out[0].vector).all():
                 raise RuntimeError("health probe embedding is not finite")
             self._healthy = True
@@ -243,6 +245,11 @@ class EngineReplica:
             self._healthy = False
             self.reporter.export_state()
             raise
+        if not busy:  # vLLM's worker spins a second after that call: re-read the idle card's
+            # memory within that wake, not in a wake of its own (control/limits.py)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.follower.read_card(fresh=True),
+                                       timeout=max(deadline - time.monotonic(), 0.1))
 
     def __del__(self) -> None:
         for task in getattr(self, "_tasks", []):

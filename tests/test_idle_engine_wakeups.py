@@ -1,7 +1,8 @@
 """An idle engine's worker is not woken every few seconds: any call into the engine makes vLLM's
 worker spin a second on its message queue. The limits follower reuses an idle card's reading for
 up to IDLE_REPROBE_S (deployments/control/limits.py), and an idle replica's health check embeds
-its probe at most every HEALTH_EMBED_EVERY_S (deployments/replica.py)."""
+its probe at most every HEALTH_EMBED_EVERY_S (deployments/replica.py), and re-reads the idle card
+right after that embedding, inside the same wake."""
 
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ class ProbeEngine:
     """Stand-in engine for the health check: counts embeds and liveness checks."""
 
     def __init__(self) -> None:
-        self.embeds = self.liveness = 0
+        self.embeds = self.liveness = self.probes = 0
+        self.woken: list[str] = []  # what woke the worker, in order
 
     def tokenize(self, texts):
         return [[1, 2, 3] for _ in texts]
@@ -123,7 +125,13 @@ class ProbeEngine:
         from types import SimpleNamespace
 
         self.embeds += 1
+        self.woken.append("embed")
         return [SimpleNamespace(vector=np.ones(4, dtype=np.float32))]
+
+    async def memory(self, timeout_s: float, idle: bool = False) -> EngineMemory:
+        self.probes += 1
+        self.woken.append("probe")
+        return await CountingEngine(20).memory(timeout_s, idle)
 
     async def check_health(self) -> None:
         self.liveness += 1
@@ -140,11 +148,14 @@ def test_an_idle_replicas_health_check_embeds_at_most_every_health_embed_every_s
 
     engine = ProbeEngine()
     r = object.__new__(EngineReplica)  # the real check_health, around stand-ins of its parts
+    gate = EngineGate(engine)
     r.__dict__.update(
-        prefix=SimpleNamespace(healthy=True, cancel=lambda: None), gate=EngineGate(engine),
+        prefix=SimpleNamespace(healthy=True, cancel=lambda: None), gate=gate,
         path=SimpleNamespace(inflight_sequences=0, last_progress=0.0),
         cfg=SimpleNamespace(health_check_timeout_s=30), _healthy=True, _health_engine=None,
-        _health_embedded_at=0.0, reporter=SimpleNamespace(export_state=lambda: None))
+        _health_embedded_at=0.0, reporter=SimpleNamespace(export_state=lambda: None),
+        follower=follower(engine, [0.0], Sink(), [False]))
+    r.follower._gate = gate
 
     async def checks(n: int):
         for _ in range(n):
@@ -152,11 +163,40 @@ def test_an_idle_replicas_health_check_embeds_at_most_every_health_embed_every_s
 
     asyncio.run(checks(4))
     assert (engine.embeds, engine.liveness) == (1, 3)
+    # The idle card was re-read right after the embedding, so the limits loop's next ticks
+    # reuse that reading: one wake of the worker, not a second one for the probe.
+    assert engine.woken == ["embed", "probe"]
+
+    async def ticks(n: int):
+        for _ in range(n):
+            await r.follower.read_card()
+
+    asyncio.run(ticks(3))
+    assert engine.probes == 1 and r.follower.reading is not None
     monkeypatch.setattr(replica_mod, "HEALTH_EMBED_EVERY_S", 0.0)
     asyncio.run(checks(2))
     assert engine.embeds == 3
     monkeypatch.setattr(replica_mod, "HEALTH_EMBED_EVERY_S", 3600.0)
     other = ProbeEngine()
-    r.gate = EngineGate(other)  # a swapped engine is embedded on at once
+    r.gate = r.follower._gate = EngineGate(other)  # a swapped engine is embedded on at once
     asyncio.run(checks(2))
-    assert (other.embeds, other.liveness) == (1, 1)
+    assert (other.embeds, other.liveness) == (1, 1) and other.woken == ["embed", "probe"]
+
+
+def test_a_busy_replicas_health_check_leaves_the_probe_to_the_limits_loop():
+    """Under load the limits loop probes every tick anyway: the health check adds no probe."""
+    from types import SimpleNamespace
+
+    from embedfleet.deployments.replica import EngineReplica
+
+    engine = ProbeEngine()
+    r = object.__new__(EngineReplica)
+    gate = EngineGate(engine)
+    r.__dict__.update(
+        prefix=SimpleNamespace(healthy=True, cancel=lambda: None), gate=gate,
+        path=SimpleNamespace(inflight_sequences=3, last_progress=0.0),  # stalled: embed
+        cfg=SimpleNamespace(health_check_timeout_s=30), _healthy=True, _health_engine=None,
+        _health_embedded_at=0.0, reporter=SimpleNamespace(export_state=lambda: None),
+        follower=follower(engine, [0.0], Sink(), [True]))
+    asyncio.run(r.check_health())
+    assert engine.woken == ["embed"]

@@ -16,7 +16,10 @@ and after any call vLLM's worker spins on its message queue for a second before 
 (``SpinCondition.busy_loop_s`` in vLLM's shm_broadcast). Measured here: a probe every 2 s cost an
 idle MiniLM worker 7.2 CPU-s per 20 s (0.12 without probes), so the test cluster's six idle
 replicas kept both cores busy. With nothing run on the engine since the last probe, its reading
-is reused (and re-exported, so the gauges never go stale) for up to ``IDLE_REPROBE_S``.
+is reused (and re-exported, so the gauges never go stale) for up to ``IDLE_REPROBE_S``. The
+replica's health check re-reads it right after its own idle probe embedding
+(``read_card(fresh=True)``), inside the spin that embedding started: an idle card then wakes its
+worker once per health probe, not twice.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from embedfleet.deployments.engine.gate import EngineGate
 
 logger = logging.getLogger("embedfleet.limits")
 
-IDLE_REPROBE_S = 30.0  # an idle card's memory is re-read at least this often
+# An idle card's memory is re-read at least this often. Longer than the health check's embedding
+# interval (deployments/replica.py), which re-reads it first while it is idle.
+IDLE_REPROBE_S = 60.0
 
 
 class Budget(Protocol):
@@ -80,11 +85,13 @@ class LimitsFollower:
         self.idle_ratio: float | None = None
         """The signal's first reading, taken before any request: the card's idle floor."""
 
-    async def read_card(self) -> CardMemoryReading | None:
+    async def read_card(self, fresh: bool = False) -> CardMemoryReading | None:
+        """The card's reading; probed unless an idle card's last probe still holds. ``fresh``:
+        probe anyway (the caller just woke the engine's worker)."""
         engine = self._gate.engine if self._gate.is_open else None
         if engine is None:
             return None
-        reading = self._unchanged_since_last_probe(engine)
+        reading = None if fresh else self._unchanged_since_last_probe(engine)
         if reading is None:
             try:
                 mem = await engine.memory(timeout_s=self._interval_s, idle=self._idle())

@@ -30,7 +30,9 @@ from embedfleet.deployments.control.governor import MemoryGovernor, RayMetricsSi
 from embedfleet.deployments.control.governor_config import GovernorConfig
 from embedfleet.monitoring.prometheus import config as prom_config
 from embedfleet.monitoring.prometheus import generate as prom_generate
+from embedfleet.monitoring import thresholds
 from embedfleet.monitoring.prometheus import rules
+from embedfleet.deployments.control import memory_queries
 from tests.support.standin_npu_exporter import StandinNpuExporter
 from tests.support.standin_ray_agent import StandinRayAgent
 
@@ -222,9 +224,14 @@ def test_pressure_on_card_1_cuts_only_card_1_recovers_step_by_step_and_holds_whe
 
 
 def test_a_card_whose_replica_stops_reporting_its_kv_term_is_held_stale(exporter, agent,
-                                                                         tmp_path):
+                                                                         tmp_path, monkeypatch):
     # The device reading alone is vLLM's reservation: without the replica's KV term there is no
     # live ratio, and the governor holds the card (stale) rather than cut it on a raw 0.95.
+    # The preset is built with an 8 s Ray-gauge lookback, not the shipped 30 s
+    # (thresholds.RAY_GAUGE_LOOKBACK): the same query, 22 s less waiting.
+    monkeypatch.setattr(thresholds, "RAY_GAUGE_LOOKBACK", "8s")
+    monkeypatch.setitem(memory_queries.PRESETS, "npu-exporter", memory_queries.npu_exporter_query())
+    assert "[8s]" in memory_queries.PRESETS["npu-exporter"].ratio
     prom = start_prometheus(scrape_config(("npu", exporter.port), ("ray", agent.port)), tmp_path,
                             free_port())
     gov = governor(prom.url, RecordingSink())
@@ -233,8 +240,8 @@ def test_a_card_whose_replica_stops_reporting_its_kv_term_is_held_stale(exporter
         await gov.limits_for(NODE, "1", CEILING)
         await tick_until(gov, lambda s: s[(NODE, "1")].ratio is not None, 40, "card read")
         agent.drop(NODE, 1, "kv_free")
-        # its last KV sample ages out of the rule's last_over_time lookback (30 s), then held
-        states = await tick_until(gov, lambda s: s[(NODE, "1")].stale, 70, "card held stale")
+        # its last KV sample ages out of the query's last_over_time lookback, then held
+        states = await tick_until(gov, lambda s: s[(NODE, "1")].stale, 48, "card held stale")
         st = states[(NODE, "1")]
         assert st.action == "stale" and "no memory series" in st.reason, st.reason
         assert limits(states, "1") == (CEILING["max_sequences"], CEILING["max_tokens"])

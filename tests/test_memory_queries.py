@@ -50,7 +50,6 @@ KV_FREE, CACHE_FREE = SERIES["kv_free"], SERIES["cache_free"]
 # Prometheus applies a new target list at most every 5 s, then scrapes every 1 s: 20 s is
 # generous on a loaded 2-core machine and still bounds a broken setup.
 WAIT_S = 20.0
-LOOKBACK_S = float(thresholds.RAY_GAUGE_LOOKBACK.removesuffix("s"))
 
 # A 64 GiB 910B serving Qwen3-Embedding-8B at gpu_memory_utilization 0.95, as in
 # benchmarks/governor_sim.py: npu-exporter reads the reservation, 0.95 of the card, whether the
@@ -161,7 +160,19 @@ def test_a_reserved_910b_reads_live_and_a_full_kv_pool_crosses_high(exporter, ag
     agent.set_card("node-a", 1, **IDLE)
 
 
-def test_a_card_without_its_replica_terms_gives_no_result(exporter, agent, prometheus):
+def short_lookback_preset(monkeypatch) -> tuple[CardMemoryQuery, float]:
+    """The npu-exporter preset built with an 8 s Ray-gauge lookback instead of the shipped 30 s
+    (``thresholds.RAY_GAUGE_LOOKBACK``), for the tests that wait for a sample to age out of it:
+    the same query, 22 s less waiting."""
+    monkeypatch.setattr(thresholds, "RAY_GAUGE_LOOKBACK", "8s")
+    query = npu_exporter_query()
+    assert "[8s]" in query.ratio and "[30s]" in NPU.ratio
+    return query, 8.0
+
+
+def test_a_card_without_its_replica_terms_gives_no_result(exporter, agent, prometheus,
+                                                          monkeypatch):
+    npu, lookback_s = short_lookback_preset(monkeypatch)
     exporter.set_card("node-bare", 0, RESERVED_MB, TOTAL_MB)  # no replica at all
     exporter.set_card("node-part", 0, RESERVED_MB, TOTAL_MB)
     agent.set_card("node-part", 0, kv_free=IDLE["kv_free"])   # no allocator term yet
@@ -169,19 +180,21 @@ def test_a_card_without_its_replica_terms_gives_no_result(exporter, agent, prome
                                                        "node-part")),
              lambda r: {("node-bare", "0"), ("node-part", "0")} <= set(r[0]) and r[1],
              what="exporter and replica series scraped")
-    got = ratios(prometheus)
+    got = ratios(prometheus, npu)
     # Not a raw 0.95 (saturated by the reservation): nothing, and the governor holds it stale.
     assert ("node-bare", "0") not in got and ("node-part", "0") not in got
     agent.set_card("node-part", 0, cache_free=IDLE["cache_free"])
-    got = wait_for(lambda: ratios(prometheus), lambda r: ("node-part", "0") in r,
+    got = wait_for(lambda: ratios(prometheus, npu), lambda r: ("node-part", "0") in r,
                    what="card with both replica terms")
     assert got[("node-part", "0")].ratio == pytest.approx(IDLE_LIVE, rel=1e-12)
     agent.drop("node-part", 0, "kv_free")
+    t_drop = time.monotonic()
     # Ray-exported gauges are read through last_over_time (a missed report must not drop a card),
-    # so the card leaves once its last KV sample is older than that lookback.
-    wait_for(lambda: ratios(prometheus), lambda r: ("node-part", "0") not in r,
-             timeout=WAIT_S + LOOKBACK_S, what="card gone with its KV term")
-    assert ("node-bare", "0") not in ratios(prometheus)
+    # so the card leaves once its last KV sample is older than that lookback, and not before.
+    wait_for(lambda: ratios(prometheus, npu), lambda r: ("node-part", "0") not in r,
+             timeout=WAIT_S + lookback_s, what="card gone with its KV term")
+    assert time.monotonic() - t_drop >= lookback_s - 1.5  # 1 s scrapes: its last sample's age
+    assert ("node-bare", "0") not in ratios(prometheus, npu)
 
 
 def test_old_exporter_timestamps_come_back_and_the_law_calls_them_stale(exporter, agent,

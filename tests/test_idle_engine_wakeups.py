@@ -140,22 +140,30 @@ class ProbeEngine:
         pass
 
 
-def test_an_idle_replicas_health_check_embeds_at_most_every_health_embed_every_s(monkeypatch):
+def replica_around(engine: ProbeEngine, inflight: int):
+    """The real ``EngineReplica.check_health``, around stand-ins of its parts and a real
+    limits follower sharing the replica's gate."""
     from types import SimpleNamespace
 
-    from embedfleet.deployments import replica as replica_mod
     from embedfleet.deployments.replica import EngineReplica
 
-    engine = ProbeEngine()
-    r = object.__new__(EngineReplica)  # the real check_health, around stand-ins of its parts
-    gate = EngineGate(engine)
+    r = object.__new__(EngineReplica)
     r.__dict__.update(
-        prefix=SimpleNamespace(healthy=True, cancel=lambda: None), gate=gate,
-        path=SimpleNamespace(inflight_sequences=0, last_progress=0.0),
+        prefix=SimpleNamespace(healthy=True, cancel=lambda: None),
+        path=SimpleNamespace(inflight_sequences=inflight, last_progress=0.0),
         cfg=SimpleNamespace(health_check_timeout_s=30), _healthy=True, _health_engine=None,
         _health_embedded_at=0.0, reporter=SimpleNamespace(export_state=lambda: None),
-        follower=follower(engine, [0.0], Sink(), [False]))
-    r.follower._gate = gate
+        follower=follower(engine, [0.0], Sink(), [inflight > 0]))
+    r.gate = r.follower._gate
+    return r
+
+
+def test_an_idle_replicas_health_check_embeds_at_most_every_health_embed_every_s(monkeypatch):
+
+    from embedfleet.deployments import replica as replica_mod
+
+    engine = ProbeEngine()
+    r = replica_around(engine, inflight=0)
 
     async def checks(n: int):
         for _ in range(n):
@@ -185,18 +193,9 @@ def test_an_idle_replicas_health_check_embeds_at_most_every_health_embed_every_s
 
 def test_a_busy_replicas_health_check_leaves_the_probe_to_the_limits_loop():
     """Under load the limits loop probes every tick anyway: the health check adds no probe."""
-    from types import SimpleNamespace
 
-    from embedfleet.deployments.replica import EngineReplica
 
     engine = ProbeEngine()
-    r = object.__new__(EngineReplica)
-    gate = EngineGate(engine)
-    r.__dict__.update(
-        prefix=SimpleNamespace(healthy=True, cancel=lambda: None), gate=gate,
-        path=SimpleNamespace(inflight_sequences=3, last_progress=0.0),  # stalled: embed
-        cfg=SimpleNamespace(health_check_timeout_s=30), _healthy=True, _health_engine=None,
-        _health_embedded_at=0.0, reporter=SimpleNamespace(export_state=lambda: None),
-        follower=follower(engine, [0.0], Sink(), [True]))
+    r = replica_around(engine, inflight=3)  # stalled (no progress since 0.0): it embeds
     asyncio.run(r.check_health())
     assert engine.woken == ["embed"]

@@ -214,8 +214,10 @@ class EngineReplica:
         """Serve's health check: really embed something, within a bound.
 
         When the engine is busy, a probe would queue behind (possibly huge) admitted work and
-        could time out on a healthy replica; then the engine finishing batches recently is the
-        proof of health, and the engine core's own liveness check must pass. An idle replica
+        could time out on a healthy replica; then the engine finishing sequences recently is the
+        proof of health (not calls: one large call ran 80 s on the test cluster, and the probes
+        that timed out behind it came within one failure of Serve killing the replica), and the
+        engine core's own liveness check must pass. An idle replica
         embeds its probe every HEALTH_EMBED_EVERY_S, and in between runs only that liveness check.
         """
         if not self.prefix.healthy:
@@ -224,7 +226,7 @@ class EngineReplica:
         if engine is None or not self.gate.is_open:
             return  # an engine swap is under way (bounded and retried by the controller)
         busy = self.path.inflight_sequences > 0
-        if busy and time.monotonic() - self.path.last_progress < self.cfg.health_check_timeout_s:
+        if busy and time.monotonic() - engine.last_output_at < self.cfg.health_check_timeout_s:
             await engine.check_health()
             return
         if (self._healthy and engine is self._health_engine

@@ -2,11 +2,13 @@
 worker spin a second on its message queue. The limits follower reuses an idle card's reading for
 up to IDLE_REPROBE_S (deployments/control/limits.py), and an idle replica's health check embeds
 its probe at most every HEALTH_EMBED_EVERY_S (deployments/replica.py), and re-reads the idle card
-right after that embedding, inside the same wake."""
+right after that embedding, inside the same wake. A busy replica's health check embeds no probe
+while its engine keeps finishing sequences (a probe would queue behind the work)."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from embedfleet.deployments.contracts import Ceiling
 from embedfleet.deployments.control import limits as limits_mod
@@ -116,13 +118,13 @@ class ProbeEngine:
     def __init__(self) -> None:
         self.embeds = self.liveness = self.probes = 0
         self.woken: list[str] = []  # what woke the worker, in order
+        self.last_output_at = 0.0  # no sequence finished since long ago: a stalled engine
 
     def tokenize(self, texts):
         return [[1, 2, 3] for _ in texts]
 
     async def embed(self, ids, request_id: str):
         import numpy as np
-        from types import SimpleNamespace
 
         self.embeds += 1
         self.woken.append("embed")
@@ -143,8 +145,6 @@ class ProbeEngine:
 def replica_around(engine: ProbeEngine, inflight: int):
     """The real ``EngineReplica.check_health``, around stand-ins of its parts and a real
     limits follower sharing the replica's gate."""
-    from types import SimpleNamespace
-
     from embedfleet.deployments.replica import EngineReplica
 
     r = object.__new__(EngineReplica)
@@ -199,3 +199,58 @@ def test_a_busy_replicas_health_check_leaves_the_probe_to_the_limits_loop():
     r = replica_around(engine, inflight=3)  # stalled (no progress since 0.0): it embeds
     asyncio.run(r.check_health())
     assert engine.woken == ["embed"]
+
+
+def test_a_busy_engine_whose_sequences_keep_finishing_is_healthy_without_a_probe():
+    """One large call can run for minutes on a slow device. Its sequences finishing is the
+    proof of progress, though no whole call has finished within the health-check timeout: a
+    probe would wait behind the call, time out, and three such failures make Serve kill a
+    healthy replica with everything in flight."""
+    import time
+
+    engine = ProbeEngine()
+    r = replica_around(engine, inflight=3)  # path.last_progress 0.0: no call finished
+    engine.last_output_at = time.monotonic() - 5
+    asyncio.run(r.check_health())
+    assert engine.woken == [] and engine.liveness == 1
+    engine.last_output_at = time.monotonic() - r.cfg.health_check_timeout_s - 1
+    asyncio.run(r.check_health())
+    assert engine.woken == ["embed"]
+
+
+def test_the_engine_marks_each_finished_sequence_before_its_call_ends():
+    """``VllmEmbeddingEngine.last_output_at`` moves when a sequence's output arrives, not when
+    the whole call returns (vLLM's AsyncLLM is faked: the second sequence waits on an event)."""
+    import numpy as np
+
+    from embedfleet.deployments.engine.vllm_engine import VllmEmbeddingEngine
+
+    class FakeLLM:
+        errored = False
+
+        def __init__(self) -> None:
+            self.release = asyncio.Event()
+
+        async def encode(self, prompt, params, request_id, priority=0):
+            if request_id.endswith("-1"):
+                await self.release.wait()
+            yield SimpleNamespace(outputs=SimpleNamespace(data=np.ones(4, np.float32)),
+                                  prompt_token_ids=[1, 2], num_cached_tokens=0)
+
+    async def scenario() -> tuple[float, float, float]:
+        engine = object.__new__(VllmEmbeddingEngine)  # no engine process
+        engine._llm, engine.last_output_at = FakeLLM(), 0.0
+        call = asyncio.ensure_future(engine.embed([[1, 2], [3, 4]], request_id="x"))
+        for _ in range(50):  # until the first sequence's output is in
+            await asyncio.sleep(0.01)
+            if engine.last_output_at:
+                break
+        first = engine.last_output_at
+        assert not call.done()
+        await asyncio.sleep(0.05)
+        engine._llm.release.set()
+        await call
+        return first, engine.last_output_at, len(call.result())
+
+    first, last, n = asyncio.run(scenario())
+    assert first > 0 and last > first and n == 2

@@ -58,6 +58,10 @@ class EngineMemory:
 class EmbeddingEngine(Protocol):
     info: EngineInfo
     hf_tokenizer: Any  # the engine's own tokenizer (special tokens, offsets for /tokenize)
+    # time.monotonic() when the engine last finished a sequence (its start before the first):
+    # a busy replica's proof of progress. A call is many sequences, and one large call can run
+    # for minutes on a slow device while its sequences keep finishing.
+    last_output_at: float
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids exactly as the engine would produce them (special tokens included)."""
@@ -102,6 +106,7 @@ class VllmEmbeddingEngine:
 
     def __post_init__(self) -> None:
         t0 = time.monotonic()
+        self.last_output_at = t0
         self.kv = KvUsageTracker()
         self._llm = vllm_api.start_engine(self.engine_kwargs, self.kv if self.observed else None)
         self._tokenizer = vllm_api.tokenizer(self._llm)
@@ -139,6 +144,7 @@ class VllmEmbeddingEngine:
             pass
         if out is None:
             raise EngineDead(f"engine returned no output for {request_id}")
+        self.last_output_at = time.monotonic()
         pooled = vllm_api.pooled_output(out)
         data = pooled.data
         vec = data.float().numpy() if hasattr(data, "numpy") else np.asarray(data, np.float32)

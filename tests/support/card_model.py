@@ -86,6 +86,10 @@ class CardReservingEngine:
         self.info = self.inner.info
         self.hf_tokenizer = self.inner.hf_tokenizer
 
+    @property
+    def last_output_at(self) -> float:
+        return self.inner.last_output_at
+
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return self.inner.tokenize(texts)
 

@@ -38,6 +38,10 @@ class CacheHitCorruptingFaultInjector:
         self.corrupted = 0
         logger.warning("FAULT INJECTOR active: cache-hit embeddings will be corrupted")
 
+    @property
+    def last_output_at(self) -> float:
+        return self.inner.last_output_at
+
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return self.inner.tokenize(texts)
 

@@ -191,7 +191,7 @@ def test_killing_the_engine_process_gives_503_or_success_never_500_or_hang(clust
 def test_a_model_with_no_replica_and_none_starting_answers_503_at_once(cluster):
     # The model's only replica dies while every free card is taken: Serve's replacement waits
     # for a card. Requests must get 503 + Retry-After with the reason, far sooner than
-    # request_timeout_s (120 s), instead of waiting in Serve's queue.
+    # request_timeout_s (240 s on the test cluster), instead of waiting in Serve's queue.
     from tests.support.live_cluster import wait_for
 
     # exactly one replica: load from an earlier test may have scaled it to 2 (downscale is 8 s)

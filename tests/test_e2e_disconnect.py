@@ -57,7 +57,11 @@ def test_clients_that_hang_up_while_queued_have_their_work_dropped(cluster):
     before = totals(cluster)
     port = int(cluster.rsplit(":", 1)[1])
     sockets = [send_and_hang_up(port, k) for k in range(CLIENTS)]
-    time.sleep(0.5)  # they reach the replicas' queues; most wait behind 2 calls per replica
+    # Hang up once calls wait in the replicas' queues (most wait behind 2 calls per replica).
+    # A fixed 0.5 s was too short on a busy machine: in a CI rehearsal every call was still
+    # before the queues then (7 reached the engine, 17 were dropped before it, none waited).
+    wait_for(lambda: totals(cluster)["waiting"] >= 1, 60, "calls waiting in the queues",
+             every=0.2)
     for s in sockets:
         s.close()
     # The queues drain: nothing in flight, nothing waiting, and the counters have settled.

@@ -217,8 +217,8 @@ class EngineReplica:
         could time out on a healthy replica; then the engine finishing sequences recently is the
         proof of health (not calls: one large call ran 80 s on the test cluster, and the probes
         that timed out behind it came within one failure of Serve killing the replica), and the
-        engine core's own liveness check must pass. An idle replica
-        embeds its probe every HEALTH_EMBED_EVERY_S, and in between runs only that liveness check.
+        engine core's own liveness check must pass. An idle replica embeds its probe every
+        HEALTH_EMBED_EVERY_S, and in between runs only that liveness check.
         """
         if not self.prefix.healthy:
             raise RuntimeError(f"engine swap gave up: {self.prefix.swap_error}")

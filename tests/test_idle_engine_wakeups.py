@@ -237,7 +237,7 @@ def test_the_engine_marks_each_finished_sequence_before_its_call_ends():
             yield SimpleNamespace(outputs=SimpleNamespace(data=np.ones(4, np.float32)),
                                   prompt_token_ids=[1, 2], num_cached_tokens=0)
 
-    async def scenario() -> tuple[float, float, float]:
+    async def scenario() -> tuple[float, float, int]:
         engine = object.__new__(VllmEmbeddingEngine)  # no engine process
         engine._llm, engine.last_output_at = FakeLLM(), 0.0
         call = asyncio.ensure_future(engine.embed([[1, 2], [3, 4]], request_id="x"))

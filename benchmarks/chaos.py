@@ -13,8 +13,8 @@ all in this order, one a minute:
                    (with --config: give the config the cluster was started with)
   kill-proxy       ray.kill() the Serve proxy (ProxyActor); Serve's controller starts a new one
   pause-engine     SIGSTOP a random engine's EngineCore and its workers (a hung card, not a dead
-                   one) for --pause s, by default the health-check timeout plus one check period;
-                   then SIGCONT
+                   one) for --pause s, by default the health-stall bound plus four check
+                   periods (Serve replaces a replica after three failed checks); then SIGCONT
   kill-governor    ray.kill() the MemoryGovernor replica; Serve replaces it
   flood-kill       send one model a burst of one-text requests beyond its admission bounds
                    (--burst; else 1.5x the bound read from --config; else 256), then ray.kill()
@@ -158,14 +158,14 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def default_pause(cfg: Any) -> float:
-    """--pause when not given: past the health-check timeout of the cluster's config, or of the
+    """--pause when not given: past the health-stall bound of the cluster's config, or of the
     schema's defaults without --config (the Serve options are rendered from the same fields)."""
     from embedfleet.deployments.config import EmbedfleetConfig
 
     def field(name: str) -> float:
         return EmbedfleetConfig.model_fields[name].default if cfg is None else getattr(cfg, name)
 
-    return pause_seconds(field("health_check_timeout_s"), field("health_check_period_s"))
+    return pause_seconds(field("health_stall_timeout_s"), field("health_check_period_s"))
 
 
 def client_timeout(cfg: Any) -> float:
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prometheus-down", type=float, default=20.0,
                    help="seconds Prometheus stays stopped")
     p.add_argument("--pause", type=float, help="seconds pause-engine keeps an engine stopped "
-                   "(default: health_check_timeout_s + health_check_period_s)")
+                   "(default: health_stall_timeout_s + 4 x health_check_period_s)")
     p.add_argument("--burst", type=int, help="requests in flood-kill's burst "
                    f"(default: 1.5x the admission bound from --config, max {MAX_BURST})")
     p.add_argument("--request-timeout", type=float,

@@ -142,7 +142,12 @@ def burst_size(max_sequences: int, max_waiting: int, replicas: int,
     return min(cap, math.ceil(bound * BURST_OVERFLOW)), bound
 
 
-def pause_seconds(health_check_timeout_s: float, health_check_period_s: float) -> float:
-    """How long a paused engine stays stopped by default: past the health-check timeout by one
-    check period, so at least one of Serve's checks runs into the timeout (a hung card)."""
-    return health_check_timeout_s + health_check_period_s
+# Ray 2.60's REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD: failures in a row before Serve replaces it
+SERVE_UNHEALTHY_AFTER_FAILURES = 3
+
+
+def pause_seconds(health_stall_timeout_s: float, health_check_period_s: float) -> float:
+    """How long a paused engine stays stopped by default: a hung card. The replica reports it
+    stalled once its health probe has waited health_stall_timeout_s, and Serve replaces it after
+    three failed checks in a row; one more period of margin."""
+    return health_stall_timeout_s + (SERVE_UNHEALTHY_AFTER_FAILURES + 1) * health_check_period_s

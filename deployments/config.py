@@ -255,6 +255,11 @@ class EmbedfleetConfig(_Strict):
         "selectors), for `embedfleet render --kuberay` / `--ray-cluster`; not used by `up`.")
     health_check_period_s: PositiveFloat = 10
     health_check_timeout_s: PositiveFloat = 30
+    health_stall_timeout_s: PositiveFloat = Field(
+        default=120, description="A replica is reported unhealthy (and Serve replaces it) when "
+        "its engine leaves one tiny health probe unanswered this long. A probe slower than "
+        "health_check_timeout_s stays pending across checks: on a busy device it waits behind "
+        "large batches, and that alone is no reason to kill the replica.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> EmbedfleetConfig:
@@ -264,6 +269,9 @@ class EmbedfleetConfig(_Strict):
             raise ValueError(f"model names must be unique; repeated: {dupes}")
         if self.cards % self.nodes:
             raise ValueError(f"cards={self.cards} cannot be split evenly over nodes={self.nodes}")
+        if self.health_stall_timeout_s <= self.health_check_timeout_s:
+            raise ValueError(f"health_stall_timeout_s={self.health_stall_timeout_s:g} must be "
+                             f"above health_check_timeout_s={self.health_check_timeout_s:g}")
         for i, m in enumerate(self.models):
             block = m.engine.block_size or self.platform.default_block_size
             where = f"models[{i}] ({m.name!r})"

@@ -22,14 +22,13 @@ import time
 import uuid
 from typing import Any
 
-import numpy as np
-
 from embedfleet.deployments import metrics
 from embedfleet.deployments.api.tei import tokenize_tei
 from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig, parse_config
 from embedfleet.deployments.contracts import (CanaryView, EmbedCall, EmbedResult, Fingerprint,
                                               ReplicaDescription, RoutingStats)
 from embedfleet.deployments.control.governor import RayMetricsSink
+from embedfleet.deployments.control.health_probe import HealthProbe
 from embedfleet.deployments.control.limits import LimitsFollower
 from embedfleet.deployments.control.prefix_cache import PrefixCacheController
 from embedfleet.deployments.control.reporter import Reporter
@@ -48,7 +47,6 @@ from embedfleet.deployments.request_path.replica_path import RequestPath
 
 logger = logging.getLogger("embedfleet.replica")
 
-HEALTH_PROBE_TEXT = "embedfleet health check"
 # An idle replica embeds its health probe at most this often; in between, the engine core's own
 # liveness check. Any call wakes vLLM's worker, which then spins a second on its message queue
 # (see control/limits.py): a probe every 10 s cost each idle worker ~4 CPU-s a minute here.
@@ -147,6 +145,7 @@ class EngineReplica:
         self._healthy = True
         self._health_engine: EmbeddingEngine | None = None  # the engine the last probe embedded on
         self._health_embedded_at = 0.0
+        self._probe = HealthProbe(stall_s=cfg.health_stall_timeout_s)
         await self._check_idle_floor()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.reporter.heartbeat_forever()),
@@ -235,12 +234,12 @@ class EngineReplica:
             return
         deadline = time.monotonic() + self.cfg.health_check_timeout_s * 0.8
         try:
-            ids = engine.tokenize([HEALTH_PROBE_TEXT])
-            out = await asyncio.wait_for(
-                engine.embed(ids, request_id=f"health-{uuid.uuid4().hex[:8]}"),
-                timeout=deadline - time.monotonic())
-            if not np.isfinite(out[0].vector).all():
-                raise RuntimeError("health probe embedding is not finite")
+            answered = await self._probe.run(engine, timeout_s=deadline - time.monotonic())
+            if not answered:  # slow, not stuck (health_probe.py): the core must still be alive
+                logger.warning("health probe pending for %.0fs (stall bound %gs): engine busy",
+                               self._probe.pending_for, self._probe.stall_s)
+                await engine.check_health()
+                return
             self._healthy = True
             self._health_engine, self._health_embedded_at = engine, time.monotonic()
         except Exception:
@@ -259,6 +258,9 @@ class EngineReplica:
         prefix = getattr(self, "prefix", None)
         if prefix is not None:
             prefix.cancel()
+        probe = getattr(self, "_probe", None)
+        if probe is not None:
+            probe.cancel()
         registry = getattr(self, "_registry", None)
         if registry is not None:
             try:

@@ -302,10 +302,10 @@ def test_the_burst_overfills_the_bound_serve_and_admission_give_a_model():
         256, "burst 256 (admission bound unknown without --config)")
 
 
-def test_the_default_pause_outlasts_the_health_check_timeout():
-    assert chaos.default_pause(None) == 40  # the schema's 30 s timeout + one 10 s period
-    cfg = types.SimpleNamespace(health_check_timeout_s=5.0, health_check_period_s=2.0)
-    assert chaos.default_pause(cfg) == 7.0 > cfg.health_check_timeout_s
+def test_the_default_pause_outlasts_the_health_stall_bound_and_three_failed_checks():
+    assert chaos.default_pause(None) == 160  # the schema's 120 s stall bound + 4 x 10 s periods
+    cfg = types.SimpleNamespace(health_stall_timeout_s=50.0, health_check_period_s=2.0)
+    assert chaos.default_pause(cfg) == 58.0 > cfg.health_stall_timeout_s + 3 * 2.0
 
 
 def test_the_default_client_timeout_waits_out_the_longest_answer_the_cluster_may_take():

@@ -145,6 +145,7 @@ class ProbeEngine:
 def replica_around(engine: ProbeEngine, inflight: int):
     """The real ``EngineReplica.check_health``, around stand-ins of its parts and a real
     limits follower sharing the replica's gate."""
+    from embedfleet.deployments.control.health_probe import HealthProbe
     from embedfleet.deployments.replica import EngineReplica
 
     r = object.__new__(EngineReplica)
@@ -152,7 +153,8 @@ def replica_around(engine: ProbeEngine, inflight: int):
         prefix=SimpleNamespace(healthy=True, cancel=lambda: None),
         path=SimpleNamespace(inflight_sequences=inflight, last_progress=0.0),
         cfg=SimpleNamespace(health_check_timeout_s=30), _healthy=True, _health_engine=None,
-        _health_embedded_at=0.0, reporter=SimpleNamespace(export_state=lambda: None),
+        _health_embedded_at=0.0, _probe=HealthProbe(stall_s=120),
+        reporter=SimpleNamespace(export_state=lambda: None),
         follower=follower(engine, [0.0], Sink(), [inflight > 0]))
     r.gate = r.follower._gate
     return r

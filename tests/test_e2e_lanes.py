@@ -22,6 +22,7 @@ from tests.support.live_cluster import wait_for
 pytestmark = pytest.mark.cluster
 
 BULK_CLIENTS, INTERACTIVE_CLIENTS, SECONDS = 12, 2, 20
+MIN_INTERACTIVE, MIN_BULK_OK = 10, 5  # answers the assertions below need
 
 
 def _admitted_bulk(cluster: str) -> int:
@@ -58,23 +59,35 @@ def test_a_bulk_flood_refuses_no_interactive_query(cluster, reference_embed):
             with lock:
                 interactive.append((r, time.monotonic() - t0))
 
+    def enough() -> bool:  # answers to judge by, however slow the machine is today
+        with lock:
+            return (len(interactive) >= MIN_INTERACTIVE
+                    and sum(r.status_code == 200 for r in bulk) >= MIN_BULK_OK)
+
     with cf.ThreadPoolExecutor(BULK_CLIENTS + INTERACTIVE_CLIENTS) as pool:
         futures = [pool.submit(bulk_client) for _ in range(BULK_CLIENTS)]
         futures += [pool.submit(interactive_client) for _ in range(INTERACTIVE_CLIENTS)]
-        time.sleep(SECONDS)
-        stop.set()
+        try:
+            time.sleep(SECONDS)
+            # The flood stays on until there are answers enough to judge: in a CI run on a
+            # starved machine the router answered 2 to 7 calls a minute, and this test failed.
+            deadline = time.monotonic() + 300
+            while not enough() and time.monotonic() < deadline:
+                time.sleep(1)
+        finally:
+            stop.set()
         for f in futures:
             f.result(timeout=300)
 
     codes = [r.status_code for r, _ in interactive]
-    assert len(codes) >= 10 and set(codes) == {200}, sorted(set(codes))
+    assert len(codes) >= MIN_INTERACTIVE and set(codes) == {200}, sorted(set(codes))
     for r, _ in interactive:
         got = np.asarray(r.json()["data"][0]["embedding"])
         assert float(got @ ref) > 0.999
     bulk_codes = [r.status_code for r in bulk]
     assert set(bulk_codes) <= {200, 429}, sorted(set(bulk_codes))
     assert bulk_codes.count(429) >= 1, "the flood never filled bulk's queue: not a flood"
-    assert bulk_codes.count(200) >= 5, "bulk was starved"
+    assert bulk_codes.count(200) >= MIN_BULK_OK, "bulk was starved"
     for r in bulk:
         if r.status_code == 429:
             assert int(r.headers["Retry-After"]) >= 1

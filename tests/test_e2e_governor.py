@@ -116,7 +116,7 @@ class Load:
             while not self._stop.is_set():
                 batch = [texts[(i + j) % 64] for j in range(TEXTS_PER_CALL)]
                 r = requests.post(f"{cluster}/v1/embeddings", json={"model": model,
-                                                                   "input": batch}, timeout=180)
+                                                                   "input": batch}, timeout=420)
                 self.codes.append(r.status_code)
                 if r.status_code == 429:
                     time.sleep(float(r.headers.get("Retry-After", "1")))
@@ -128,7 +128,7 @@ class Load:
     def stop(self) -> None:
         self._stop.set()
         for f in self._futures:
-            f.result(timeout=240)
+            f.result(timeout=480)  # a call's bound above: calls took ~85 s on a starved CI
         self._pool.shutdown()
 
 

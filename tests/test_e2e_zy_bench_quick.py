@@ -1,13 +1,14 @@
 """`embedfleet bench --quick` in `make test`: a smoke test of the harness, no speed assertion.
 
-The peers of the issue's online goal really run — bare vLLM in-process, vLLM's own OpenAI server,
-and embedfleet over HTTP (the session cluster) — on the tiny seeded `short` (32 texts a request)
-and `online` (one text a request, 16 in flight) workloads, and the run must write its JSON report
-and PNG chart. What would break if the harness broke: a peer that did not run, vectors that
+Two peers of the issue's online goal really run, bare vLLM in-process and embedfleet over HTTP
+(the session cluster), on the tiny seeded `short` (32 texts a request) and `online` (one text a
+request, 16 in flight) workloads, and the run must write its JSON report and PNG chart. vLLM's own
+OpenAI server (a third vLLM start: 6+ minutes on a starved machine) is left to `embedfleet bench`;
+its flags are unit-tested. What would break if the harness broke: a peer that did not run, vectors that
 disagree between peers, missing ratios or goals, no chart.
 
 The run itself starts in the background early in the cluster tests
-(tests/support/background_bench.py: most of it is the two vLLM peers starting); this test waits
+(tests/support/background_bench.py: most of it is the vLLM peer starting); this test waits
 for it and reads what it wrote. Run alone, the test starts it.
 
 Infinity (its own venv, a minute to start), the long/mixed/shared-instruction workloads and the
@@ -58,6 +59,6 @@ def test_bench_quick_runs_every_peer_and_writes_json_and_png(cluster):
         for peer in PEERS:  # the same weights everywhere: the same vectors
             c = report["correctness"][workload][peer]
             assert c["ok"] and c["min_cosine"] >= 0.999, (workload, peer, c)
-    assert report["ratios"]["embedfleet/vllm-serve"]["online"] > 0, report["ratios"]
+    assert report["ratios"]["embedfleet/vllm-serve"]["online"] is None  # vllm-serve did not run
     png = (out / "chart.png").read_bytes()
     assert png[:8] == PNG_MAGIC and len(png) > 5000

@@ -85,3 +85,14 @@ def test_the_stall_bound_must_exceed_the_health_check_timeout():
                                          "health_check_timeout_s=30"):
         parse_config({**base, "health_stall_timeout_s": 30}, "test")
     assert parse_config(base, "test").health_stall_timeout_s == 120
+
+
+def test_a_probe_cancelled_under_the_check_is_a_failed_check_not_a_cancellation():
+    class ShuttingDown(ProbeEngine):
+        async def embed(self, ids, request_id: str):
+            raise asyncio.CancelledError
+
+    r = replica_around(ShuttingDown(), inflight=0)
+    with pytest.raises(RuntimeError, match="cancelled by the engine"):
+        asyncio.run(r.check_health())
+    assert r._healthy is False

@@ -62,6 +62,9 @@ class HealthProbe:
             raise EngineStalled(f"the engine left its health probe unanswered for {waited:.0f}s "
                                 f"(health_stall_timeout_s={self.stall_s:g})")
         task, self._task = self._task, None
+        if task.cancelled():  # e.g. the engine shut down under it: a failed probe, not a
+            # CancelledError escaping the health check (a BaseException Serve would not count)
+            raise RuntimeError("the health probe was cancelled by the engine")
         out = task.result()
         if not np.isfinite(out[0].vector).all():
             raise RuntimeError("health probe embedding is not finite")

@@ -29,6 +29,11 @@ FAULT_ARM_FILE = TEST_STATE / "arm-cache-hit-fault"
 # keeps the TSDB of every earlier run on the machine: at 310 MB, replaying its WAL after the
 # governor test restarts Prometheus took over 3 minutes, and the test failed waiting for it.
 os.environ.setdefault("EMBEDFLEET_STATE_DIR", str(TEST_STATE / "state"))
+# `embedfleet up` waits this long for every model's first replica (the default, 900 s, is for an
+# operator at a terminal). Here five engines start at once beside the unit tests on two cores:
+# 10 minutes in the last CI run, and a rehearsal after it still had none ready after 10.5.
+READY_TIMEOUT_S = 1800
+os.environ.setdefault("EMBEDFLEET_READY_TIMEOUT_S", str(READY_TIMEOUT_S))
 TINY_QWEN3 = "tiny-qwen3"
 FAULTY_QWEN3 = "tiny-qwen3-faulty"
 EMBEDFLEET = str(Path(sys.executable).with_name("embedfleet"))
@@ -148,7 +153,7 @@ def pytest_runtest_setup(item):
 def cluster(tiny_qwen3_dir):
     """A live 2-node, 6-card cluster serving tests/configs/e2e-cpu.yaml; yields the HTTP base URL."""
     proc = _CLUSTER_UP.get("up") or _start_cluster()
-    code = proc.wait(timeout=1800)
+    code = proc.wait(timeout=READY_TIMEOUT_S + 600)  # the wait for replicas + Ray and deploys
     output = (TEST_STATE / "up.log").read_text()
     print(output)
     if code != 0:

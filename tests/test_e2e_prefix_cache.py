@@ -123,7 +123,8 @@ def test_failing_canary_switches_prefix_cache_off_without_losing_requests(cluste
     try:
         t0 = time.monotonic()
         detected = None
-        while time.monotonic() - t0 < 240:
+        # "off" needs the replacement engine started: up to 13 minutes in the last CI run
+        while time.monotonic() - t0 < 900:
             pc = model_info(cluster, FAULTY_QWEN3)["prefix_cache"]
             if detected is None and pc["state"] != "on":
                 detected = time.monotonic() - t0

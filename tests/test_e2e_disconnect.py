@@ -49,7 +49,7 @@ def send_and_hang_up(port: int, k: int) -> socket.socket:
 
 
 def test_clients_that_hang_up_while_queued_have_their_work_dropped(cluster):
-    wait_for(lambda: totals(cluster)["replicas"] == 2, 300, f"{MINILM} at 2 ready replicas",
+    wait_for(lambda: totals(cluster)["replicas"] == 2, 900, f"{MINILM} at 2 ready replicas",
              every=2)
     # a heartbeat carries the counters every 2 s: wait for a quiet, settled reading
     wait_for(lambda: (t := totals(cluster))["inflight_sequences"] == 0 and t["waiting"] == 0,

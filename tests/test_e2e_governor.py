@@ -87,7 +87,7 @@ def restart_governor_and_read(card: Card) -> dict:
     assert old and " " not in old, old
     os.kill(int(old), signal.SIGKILL)
     # every=3: each poll is a Ray driver (~2 CPU-s) on the two cores the new replica needs
-    wait_for(lambda: (p := governor("pid")) and p != old, 120, "a new governor replica",
+    wait_for(lambda: (p := governor("pid")) and p != old, 300, "a new governor replica",
              every=3)
 
     def card_known():
@@ -96,7 +96,7 @@ def restart_governor_and_read(card: Card) -> dict:
         except (AssertionError, ValueError):
             return None
         return next((c for c in snap["cards"] if (c["node"], c["device"]) == card), None)
-    return wait_for(card_known, 120, f"the new governor to know card {card}", every=3)
+    return wait_for(card_known, 300, f"the new governor to know card {card}", every=3)
 
 
 class Load:

@@ -179,11 +179,11 @@ def test_override_survives_a_registry_restart(cluster):
     assert old and " " not in old, old
     os.kill(int(old), signal.SIGKILL)
     # every=3: each poll is a Ray driver (~2 CPU-s) on the two cores the new replica needs
-    new = wait_for(lambda: (p := registry_pid()) and p != old and p, 120, "a new registry",
+    new = wait_for(lambda: (p := registry_pid()) and p != old and p, 300, "a new registry",
                    every=3)
     shown = wait_for(lambda: (r := run_cli("prefix-cache", "--app", "embedfleet",
                                            check=False)).returncode == 0 and r.stdout,
-                     120, "the restarted registry to answer", every=3)
+                     300, "the restarted registry to answer", every=3)
     assert f"{FAULTY_QWEN3}: OFF by override" in shown and "canary" in shown, (new, shown)
     # ...and the fleet still obeys it: the faulty model's replica reports caching off.
     pc = wait_for(lambda: model_info(cluster, FAULTY_QWEN3)["replicas"]["cards"] and

@@ -217,7 +217,9 @@ class EngineReplica:
         proof of health (not calls: one large call ran 80 s on the test cluster, and the probes
         that timed out behind it came within one failure of Serve killing the replica), and the
         engine core's own liveness check must pass. An idle replica embeds its probe every
-        HEALTH_EMBED_EVERY_S, and in between runs only that liveness check.
+        HEALTH_EMBED_EVERY_S, and in between runs only that liveness check. A probe slower than
+        one check stays pending (control/health_probe.py): it fails the checks only once it has
+        waited health_stall_timeout_s.
         """
         if not self.prefix.healthy:
             raise RuntimeError(f"engine swap gave up: {self.prefix.swap_error}")

@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from tests.conftest import MINILM
-from tests.support.live_cluster import wait_for
+from tests.support.live_cluster import COLD_START_BOUND_S, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -49,8 +49,8 @@ def send_and_hang_up(port: int, k: int) -> socket.socket:
 
 
 def test_clients_that_hang_up_while_queued_have_their_work_dropped(cluster):
-    wait_for(lambda: totals(cluster)["replicas"] == 2, 900, f"{MINILM} at 2 ready replicas",
-             every=2)
+    wait_for(lambda: totals(cluster)["replicas"] == 2, COLD_START_BOUND_S,
+             f"{MINILM} at 2 ready replicas", every=2)
     # a heartbeat carries the counters every 2 s: wait for a quiet, settled reading
     wait_for(lambda: (t := totals(cluster))["inflight_sequences"] == 0 and t["waiting"] == 0,
              60, "an idle queue", every=1)

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from tests.conftest import AUTOSCALE, FAULTY_QWEN3, MINILM, ROOT, ZERO
-from tests.support.live_cluster import alive_actors
+from tests.support.live_cluster import COLD_START_BOUND_S, alive_actors
 
 pytestmark = pytest.mark.cluster
 
@@ -92,11 +92,6 @@ def ready_replicas(cluster, model) -> list[dict]:
     data = requests.get(f"{cluster}/v1/models", timeout=10).json()["data"]
     cards = next(m for m in data if m["id"] == model)["replicas"]["cards"]
     return [c for c in cards if c["ready"]]
-
-
-# A replacement replica's cold start: ~1 min on a quiet machine, 5 to 13 min in a CI run on a
-# starved one (engine replicas started 13:47:02 -> 13:59:59 there). A bound, not a wait.
-COLD_START_BOUND_S = 900
 
 
 def wait_ready(cluster, model, n, timeout=COLD_START_BOUND_S):

@@ -6,6 +6,11 @@ import time
 from typing import Any
 
 
+# A replica's cold start, as a bound for tests that wait for one: ~1 min on a quiet machine, 5 to
+# 13 min in a CI run on a starved one (engine replicas started 13:47:02 -> 13:59:59 there).
+COLD_START_BOUND_S = 900
+
+
 def wait_for(predicate, timeout: float, what: str, every: float = 0.5):
     """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout``
     seconds naming ``what`` and the last value seen."""

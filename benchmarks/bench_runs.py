@@ -38,7 +38,8 @@ def cpu_accounting(peers: list[Any], calibration: dict[str, Any] | None) -> dict
         "method": "process_cpu.CpuMeter: per-pid deltas between a reading just before and just "
                   "after the requests; processes that appear count in full, processes that "
                   "exit are recovered from their measured parent's reaped-children time "
-                  "(`lost` counts those that could not be)",
+                  "(`lost` counts those that could not be; `left`, those re-parented out of "
+                  "the tree alive, e.g. a detached daemon: neither is counted)",
         "driver": "the load driver runs in the bench process: for vllm-serve, infinity and "
                   "embedfleet it is measured apart (driver_cpu_s_per_1k: this process alone, "
                   "HTTP client, JSON, base64 decoding) and not part of the peer's figure; for "

@@ -13,7 +13,12 @@ moment; a **meter** reads the table before and after the run and sums, per proce
   lifetime when the parent reaps it, so when the parent is itself measured the child's share is
   already counted and only what the child had used *before* the run is subtracted. A process whose
   parent was not measured cannot be recovered and is counted in ``lost`` (its time in the run is
-  missing: the figure is then a lower bound).
+  missing: the figure is then a lower bound);
+* left the scope alive (its parent exited and it was re-parented out of the tree: a daemon that
+  detached, such as a Ray head started by a child that has since exited): nobody measured reaped
+  it, so nothing of it is counted or subtracted, and it is counted in ``left`` (a lower bound too).
+  Subtracting its pre-run time as if reaped made a run's figure negative (-13.8 s in one CI run,
+  when `embedfleet up --detach`, a child of the bench's process, exited during a run).
 
 Every process's time includes what it has reaped from its own children, so short-lived helpers
 (a child and its grandchild that start and finish inside the run) are counted too.
@@ -30,7 +35,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -180,11 +185,14 @@ class Snapshot:
     at: float
     procs: dict[int, Proc]
     groups: dict[int, str]
+    alive: dict[int, float] = field(default_factory=dict)
+    """{pid: create_time} of every process in the table, in the scope or not."""
 
 
 def take(scope: ProcessScope, table: Mapping[int, Proc], at: float) -> Snapshot:
     groups = scope.select(table)
-    return Snapshot(at, {pid: table[pid] for pid in groups}, groups)
+    return Snapshot(at, {pid: table[pid] for pid in groups}, groups,
+                    {pid: p.create_time for pid, p in table.items()})
 
 
 def usage(before: Snapshot, after: Snapshot, count_reaped: bool = True) -> dict[str, Any]:
@@ -209,6 +217,11 @@ def usage(before: Snapshot, after: Snapshot, count_reaped: bool = True) -> dict[
         g = after.groups[pid]
         by_group[g] = by_group.get(g, 0.0) + d
 
+    def left(pid: int) -> bool:
+        """Whether ``pid`` is still alive at the end, outside the scope (re-parented out)."""
+        ct = after.alive.get(pid)
+        return ct is not None and abs(ct - before.procs[pid].create_time) < 1e-3
+
     def recovered(pid: int) -> bool:
         """Whether a measured ancestor reaped ``pid`` (so its lifetime is in that ancestor)."""
         if not count_reaped:
@@ -216,11 +229,15 @@ def usage(before: Snapshot, after: Snapshot, count_reaped: bool = True) -> dict[
         parent = before.procs[pid].ppid
         if same(parent):
             return True
-        return parent in before.procs and parent not in after.procs and recovered(parent)
+        return (parent in before.procs and parent not in after.procs and not left(parent)
+                and recovered(parent))
 
-    vanished = lost = 0
+    vanished = lost = gone_out = 0
     for pid, p in before.procs.items():
         if same(pid):
+            continue
+        if left(pid):
+            gone_out += 1
             continue
         vanished += 1
         if recovered(pid):
@@ -232,7 +249,7 @@ def usage(before: Snapshot, after: Snapshot, count_reaped: bool = True) -> dict[
             "by_group": {g: round(v, 3) for g, v in sorted(by_group.items(),
                                                            key=lambda kv: -kv[1])},
             "processes": len(set(before.procs) | set(after.procs)),
-            "appeared": appeared, "vanished": vanished, "lost": lost,
+            "appeared": appeared, "vanished": vanished, "lost": lost, "left": gone_out,
             "unbaselined": unbaselined}
 
 

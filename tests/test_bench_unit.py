@@ -549,6 +549,33 @@ def test_cpu_usage_bookkeeping_of_reused_pids_unreaped_and_unbaselined_processes
     assert usage(before, after, count_reaped=False)["cpu_s"] == pytest.approx(1 + 0.5)
 
 
+def test_a_process_re_parented_out_of_the_tree_during_the_run_is_not_subtracted():
+    # The bench process's child `embedfleet up --detach` (pid 2) started a daemon (pid 3, a Ray
+    # head) and exited during the run: pid 1 reaped pid 2, and pid 3 now hangs under init,
+    # alive. Only pid 2's own life was reaped into pid 1, so pid 3's 40 s before the run must
+    # not be taken off: a CI run's figure went to -13.8 s that way.
+    from embedfleet.benchmarks.process_cpu import Proc, Snapshot, usage
+
+    def proc(pid, ppid, own, reaped=0.0, ct=100.0):
+        return Proc(pid, ppid, ct, f"p{pid}", (), own, reaped)
+
+    before = Snapshot(at=200.0, procs={1: proc(1, 0, 10.0), 2: proc(2, 1, 2.0),
+                                       3: proc(3, 2, 40.0)},
+                      groups={1: "root", 2: "root", 3: "root"},
+                      alive={1: 100.0, 2: 100.0, 3: 100.0})
+    after = Snapshot(at=210.0, procs={1: proc(1, 0, 11.0, reaped=2.5)}, groups={1: "root"},
+                     alive={1: 100.0, 3: 100.0, 9: 205.0})  # pid 3 alive, outside the scope
+    u = usage(before, after)
+    assert u["cpu_s"] == pytest.approx(1.0 + 0.5), u  # root's own 1 s, pid 2's 0.5 s in the run
+    assert (u["vanished"], u["left"], u["lost"]) == (1, 1, 0)
+    # pid 3 not alive any more: it was reaped by pid 2 before pid 2 exited, so its pre-run
+    # share is inside pid 2's reaped time and is subtracted, as before
+    after_reaped = Snapshot(at=210.0, procs={1: proc(1, 0, 11.0, reaped=2.5 + 41.0)},
+                            groups={1: "root"}, alive={1: 100.0})
+    u = usage(before, after_reaped)
+    assert u["cpu_s"] == pytest.approx(1.0 + 0.5 + 1.0) and u["left"] == 0
+
+
 def test_in_process_vllm_scope_is_this_process_and_children_without_server_peers():
     import os
     import subprocess
@@ -641,10 +668,10 @@ def test_ray_cluster_scope_is_every_process_of_the_cluster_behind_the_port(tmp_p
 # -- summary: CPU medians, router overhead, goals --------------------------------------------
 def _cpu(peer_s, driver_s=None, groups=None, busy=None):
     scopes = {"peer": {"cpu_s": peer_s, "by_group": groups or {"all": peer_s}, "processes": 3,
-                       "appeared": 0, "vanished": 0, "lost": 0, "unbaselined": 0}}
+                       "appeared": 0, "vanished": 0, "lost": 0, "left": 0, "unbaselined": 0}}
     if driver_s is not None:
         scopes["driver"] = {"cpu_s": driver_s, "by_group": {"driver": driver_s}, "processes": 1,
-                            "appeared": 0, "vanished": 0, "lost": 0, "unbaselined": 0}
+                            "appeared": 0, "vanished": 0, "lost": 0, "left": 0, "unbaselined": 0}
     total = peer_s + (driver_s or 0)
     return {"scopes": scopes, "machine_busy_cpu_s": busy if busy is not None else total + 1.0,
             "wall_s": 1.0, "machine_cores": 2}

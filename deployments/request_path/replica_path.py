@@ -33,6 +33,8 @@ from embedfleet.deployments.request_path.long_input import LongInputPolicy
 LANE_PRIORITY = {"interactive": 0, "bulk": 1}
 # Characters above which a call's texts are tokenized in a worker thread.
 THREAD_TOKENIZE_CHARS = 16_384
+# Times a call is sent again after an engine swap shut its engine down under it (one swap each).
+SWAP_RESENDS = 2
 
 
 class RequestPath:
@@ -63,7 +65,9 @@ class RequestPath:
         self.use_engine(engine)
 
     def use_engine(self, engine: EmbeddingEngine) -> None:
-        """Follow the engine the gate holds (a swap replaces it)."""
+        """Follow the engine the gate holds (a swap replaces it); a failure of the old engine
+        says nothing of the new one."""
+        self.engine_failed = False
         self.info: EngineInfo = engine.info
         self.hf_tokenizer = engine.hf_tokenizer
         self.preparer = InputPreparer(engine.info, engine.tokenize,
@@ -106,23 +110,31 @@ class RequestPath:
     async def _engine_call(self, pieces: list[list[int]], normalize: bool,
                            priority: int) -> list[Embedding]:
         """Admitted pieces straight into the engine. While the engine is being replaced the call
-        waits at the gate (up to the model's ``cold_start_hold_s``), then runs on the new one."""
-        async with self._gate.use(self._hold_s, self._retry_after_s) as engine:
-            skip = engine.info.prefix_caching and not self._reads_cache()
-            try:
-                out = await engine.embed(pieces, request_id=f"e-{uuid.uuid4().hex[:12]}",
-                                         skip_prefix_cache=skip, normalize=normalize,
-                                         priority=priority)
-            except (EmbedfleetError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                # The engine-core process died (or hung up): the call is safe to retry
-                # elsewhere, and the next health check makes Serve replace this replica.
-                self.engine_failed = True
-                raise EngineUnavailable(f"engine of replica {self._replica_id} failed: "
-                                        f"{type(exc).__name__}", retry_after_s=1) from None
-        self.last_progress = time.monotonic()
-        return out
+        waits at the gate (up to the model's ``cold_start_hold_s``), then runs on the new one.
+        A call still on the old engine when the swap shut it down (its drain bound ran out)
+        waits at the gate again and runs on the new engine: the engine was retired, not broken,
+        so neither the call nor the replica's health pays for it."""
+        for attempt in range(SWAP_RESENDS + 1):
+            async with self._gate.use(self._hold_s, self._retry_after_s) as engine:
+                skip = engine.info.prefix_caching and not self._reads_cache()
+                try:
+                    out = await engine.embed(pieces, request_id=f"e-{uuid.uuid4().hex[:12]}",
+                                             skip_prefix_cache=skip, normalize=normalize,
+                                             priority=priority)
+                except (EmbedfleetError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    if self._gate.engine is not engine and attempt < SWAP_RESENDS:
+                        continue  # retired under the call by a swap: wait for the new engine
+                    if self._gate.engine is engine:
+                        # The engine-core process died (or hung up): the call is safe to retry
+                        # elsewhere, and the next health check makes Serve replace this replica.
+                        self.engine_failed = True
+                    raise EngineUnavailable(f"engine of replica {self._replica_id} failed: "
+                                            f"{type(exc).__name__}", retry_after_s=1) from None
+            self.last_progress = time.monotonic()
+            return out
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _record(self, tokens: int, cached: int, report, pieces: int, seconds: float) -> None:
         rec, tag = self._rec, self._tag

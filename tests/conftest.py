@@ -34,6 +34,10 @@ os.environ.setdefault("EMBEDFLEET_STATE_DIR", str(TEST_STATE / "state"))
 # 10 minutes in the last CI run, and a rehearsal after it still had none ready after 10.5.
 READY_TIMEOUT_S = 1800
 os.environ.setdefault("EMBEDFLEET_READY_TIMEOUT_S", str(READY_TIMEOUT_S))
+# vLLM gives an engine core 600 s to come up, then fails the engine: engine starts took 5 to 13
+# minutes in CI runs on the starved machine, and a swap or replacement that fails this way starts
+# over. Ray's processes inherit it from `embedfleet up` (`ray start`).
+os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(READY_TIMEOUT_S))
 TINY_QWEN3 = "tiny-qwen3"
 FAULTY_QWEN3 = "tiny-qwen3-faulty"
 EMBEDFLEET = str(Path(sys.executable).with_name("embedfleet"))

@@ -110,10 +110,14 @@ def test_failing_canary_switches_prefix_cache_off_without_losing_requests(cluste
     def load():
         i = 0
         while not stop.is_set():
+            t_call = time.monotonic()
             try:
                 r = requests.post(f"{cluster}/v1/embeddings", json={
                     "model": FAULTY_QWEN3, "input": [texts[i % 4]]}, timeout=bound_s + 30)
-                statuses.append(r.status_code)
+                # anything but a 200 is kept with what it said, so a failure names its path
+                statuses.append(200 if r.status_code == 200 else
+                                f"{r.status_code} after {time.monotonic() - t_call:.0f}s: "
+                                f"{r.text[:300]}")
             except requests.RequestException as exc:
                 statuses.append(f"no answer: {exc!r}")
             i += 1

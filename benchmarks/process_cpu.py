@@ -189,10 +189,11 @@ class Snapshot:
     """{pid: create_time} of every process in the table, in the scope or not."""
 
 
-def take(scope: ProcessScope, table: Mapping[int, Proc], at: float) -> Snapshot:
+def take(scope: ProcessScope, table: Mapping[int, Proc], at: float,
+         alive: dict[int, float]) -> Snapshot:
+    """``alive``: the table's {pid: create_time}, read once for every scope of a reading."""
     groups = scope.select(table)
-    return Snapshot(at, {pid: table[pid] for pid in groups}, groups,
-                    {pid: p.create_time for pid, p in table.items()})
+    return Snapshot(at, {pid: table[pid] for pid in groups}, groups, alive)
 
 
 def usage(before: Snapshot, after: Snapshot, count_reaped: bool = True) -> dict[str, Any]:
@@ -276,7 +277,8 @@ class CpuMeter:
         self._t0 = self._busy0 = 0.0
 
     def _snapshots(self, table: dict[int, Proc], at: float) -> dict[str, Snapshot]:
-        return {name: take(s, table, at) for name, s in self.scopes.items()}
+        alive = {pid: p.create_time for pid, p in table.items()}
+        return {name: take(s, table, at, alive) for name, s in self.scopes.items()}
 
     def start(self) -> CpuMeter:
         at = time.time()

@@ -23,8 +23,8 @@ from embedfleet.deployments.request_path.replica_path import RequestPath
 
 
 class StandInEngine:
-    """Answers with a vector of its own ``value``; ``die`` makes calls fail as a dead core's do;
-    ``hold`` keeps calls out until it is set (or the engine is shut down)."""
+    """Answers with a vector of its own ``value``; once ``down`` is set, calls fail as a dead
+    core's do; ``hold`` keeps calls out until it is set (or ``down`` is)."""
 
     def __init__(self, value: float) -> None:
         self.value = value
@@ -79,7 +79,7 @@ def test_a_call_cut_by_the_swap_shutting_its_engine_down_runs_on_the_new_engine(
     assert path.engine_failed is False  # the replica stays healthy after the swap
 
 
-def test_a_dead_engine_still_fails_the_call_and_the_replica_until_a_new_engine_is_used():
+def test_a_dead_engine_still_fails_the_call_and_the_replica():
     async def scenario():
         engine = StandInEngine(1.0)
         engine.down.set()

@@ -114,7 +114,8 @@ class RequestPath:
         A call still on the old engine when the swap shut it down (its drain bound ran out)
         waits at the gate again and runs on the new engine: the engine was retired, not broken,
         so neither the call nor the replica's health pays for it."""
-        for attempt in range(SWAP_RESENDS + 1):
+        resends = 0
+        while True:
             async with self._gate.use(self._hold_s, self._retry_after_s) as engine:
                 skip = engine.info.prefix_caching and not self._reads_cache()
                 try:
@@ -124,9 +125,11 @@ class RequestPath:
                 except (EmbedfleetError, asyncio.CancelledError):
                     raise
                 except Exception as exc:
-                    if self._gate.engine is not engine and attempt < SWAP_RESENDS:
-                        continue  # retired under the call by a swap: wait for the new engine
-                    if self._gate.engine is engine:
+                    retired = self._gate.engine is not engine  # taken by a swap under the call
+                    if retired and resends < SWAP_RESENDS:
+                        resends += 1
+                        continue  # wait at the gate for the new engine
+                    if not retired:
                         # The engine-core process died (or hung up): the call is safe to retry
                         # elsewhere, and the next health check makes Serve replace this replica.
                         self.engine_failed = True
@@ -134,7 +137,6 @@ class RequestPath:
                                             f"{type(exc).__name__}", retry_after_s=1) from None
             self.last_progress = time.monotonic()
             return out
-        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _record(self, tokens: int, cached: int, report, pieces: int, seconds: float) -> None:
         rec, tag = self._rec, self._tag

@@ -1,0 +1,230 @@
+"""Where one online request's time goes, hop by hop (issue 13): one short text, one in flight.
+
+    python -m embedfleet.benchmarks.hop_profile [--url URL] [--model M] [--requests 300]
+        [--repeats 5] [--out FILE]
+
+Against a running cluster (``embedfleet up``), three ways in, alternated in every repeat:
+
+* ``http``: ``POST /v1/embeddings`` (client -> Serve proxy -> Router -> replica -> vLLM);
+* ``router-handle``: ``Router.embed_batch`` through its Serve handle from this Ray driver, on the
+  interactive lane (driver -> Router -> replica -> vLLM): no HTTP, no proxy;
+* ``replica-handle``: the model's engine deployment's ``embed`` through its Serve handle
+  (driver -> replica -> vLLM): no router either.
+
+Each hop's cost is the difference of two medians (p50 of each run, median over the repeats):
+``http - router-handle`` is HTTP and the proxy hop, ``router-handle - replica-handle`` the
+router's own work and its handle call; ``replica-handle`` is the replica and its engine (compare
+the bench's bare ``AsyncLLM`` on the router-overhead workload). Wall time is measured by the
+client, not read from Ray's histograms: Ray 2.60 exports a histogram's ``_sum`` from bucket
+midpoints (``open_telemetry_metric_recorder``), too coarse for milliseconds.
+
+CPU is measured per process group of the cluster (``ray_cluster_scope``: Serve proxy, Router,
+the replica with its engine core and workers, Ray's daemons, Prometheus) and this client, as
+CPU-milliseconds per request: on two cores, CPU spent anywhere is latency everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+VARIANTS = ("http", "router-handle", "replica-handle")
+# (hop, the variant that includes it, the variant that does not); None: nothing below it measured
+HOPS = (("HTTP + Serve proxy", "http", "router-handle"),
+        ("Router (its work + its handle call)", "router-handle", "replica-handle"),
+        ("replica + vLLM engine", "replica-handle", None))
+CLIENT = "this client"
+
+
+@dataclass
+class Run:
+    variant: str
+    latencies_ms: list[float]
+    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.latencies_ms)
+
+    @property
+    def mean_ms(self) -> float:
+        return statistics.fmean(self.latencies_ms)
+
+
+def order(repeats: int) -> list[str]:
+    """Every variant once per repeat, rotated each repeat so none always runs first."""
+    return [VARIANTS[(i + r) % len(VARIANTS)] for r in range(repeats) for i in range(len(VARIANTS))]
+
+
+def texts(n: int, seed: int) -> list[str]:
+    from embedfleet.benchmarks.workloads import short_queries
+
+    return short_queries(n, seed)
+
+
+def summarize(runs: Sequence[Run]) -> dict[str, Any]:
+    """Medians over the repeats, per variant, and each hop as a difference of medians."""
+    by: dict[str, list[Run]] = {v: [r for r in runs if r.variant == v] for v in VARIANTS}
+    missing = [v for v, rs in by.items() if not rs]
+    if missing:
+        raise ValueError(f"no run of {missing}: every variant needs at least one repeat")
+    p50 = {v: statistics.median(r.p50_ms for r in rs) for v, rs in by.items()}
+    groups = sorted({g for r in runs for g in r.cpu_ms_per_request})
+    cpu = {v: {g: round(statistics.median(r.cpu_ms_per_request.get(g, 0.0) for r in rs), 3)
+               for g in groups} for v, rs in by.items()}
+    hops = [{"hop": name, "p50_ms": round(p50[with_] - (p50[without] if without else 0.0), 2),
+             "from": f"{with_} - {without}" if without else with_}
+            for name, with_, without in HOPS]
+    return {
+        "variants": {v: {"p50_ms": round(p50[v], 2),
+                         "p50_ms_per_repeat": [round(r.p50_ms, 2) for r in by[v]],
+                         "mean_ms": round(statistics.median(r.mean_ms for r in by[v]), 2),
+                         "cpu_ms_per_request": cpu[v],
+                         "cpu_ms_per_request_total": round(sum(cpu[v].values()), 2)}
+                     for v in VARIANTS},
+        "hops": hops,
+    }
+
+
+def table(summary: Mapping[str, Any]) -> str:
+    variants = summary["variants"]
+    groups = sorted({g for v in variants.values() for g in v["cpu_ms_per_request"]},
+                    key=lambda g: -variants["http"]["cpu_ms_per_request"].get(g, 0.0))
+    lines = ["| way in | p50 ms | mean ms | CPU-ms / request | " + " | ".join(groups) + " |",
+             "|---|---|---|---|" + "---|" * len(groups)]
+    for name, v in variants.items():
+        lines.append(f"| {name} | {v['p50_ms']:.1f} | {v['mean_ms']:.1f} | "
+                     f"{v['cpu_ms_per_request_total']:.1f} | "
+                     + " | ".join(f"{v['cpu_ms_per_request'].get(g, 0.0):.1f}" for g in groups)
+                     + " |")
+    lines += ["", "| hop | p50 ms | from |", "|---|---|---|"]
+    lines += [f"| {h['hop']} | {h['p50_ms']:.1f} | {h['from']} |" for h in summary["hops"]]
+    return "\n".join(lines)
+
+
+def cpu_per_request(usage: Mapping[str, Any], requests: int) -> dict[str, float]:
+    """``CpuMeter.stop()``'s scopes as CPU-ms per request per group (the client as one group)."""
+    out = {g: 1000.0 * s / requests
+           for g, s in usage["scopes"]["cluster"]["by_group"].items()}
+    out[CLIENT] = 1000.0 * usage["scopes"]["client"]["cpu_s"] / requests
+    return out
+
+
+class Ways:
+    """The three ways into the cluster, each a callable embedding one text."""
+
+    def __init__(self, url: str, model: str, app: str) -> None:
+        import httpx
+        from ray import serve
+
+        from embedfleet.deployments.options import ROUTER_NAME, engine_deployment_name
+
+        self.model = model
+        self._http = httpx.Client(base_url=url, timeout=60)
+        self._router = serve.get_deployment_handle(ROUTER_NAME, app)
+        self._replica = serve.get_deployment_handle(engine_deployment_name(model), app)
+
+    def call(self, variant: str) -> Callable[[str], int]:
+        from embedfleet.deployments.contracts import BatchCall, EmbedCall
+
+        def http(text: str) -> int:
+            r = self._http.post("/v1/embeddings", json={"model": self.model, "input": [text]})
+            r.raise_for_status()
+            return len(r.json()["data"][0]["embedding"])
+
+        def router(text: str) -> int:
+            res = self._router.embed_batch.remote(
+                BatchCall(self.model, [text], None, "interactive")).result()
+            return res.vectors.shape[1]
+
+        def replica(text: str) -> int:
+            call = EmbedCall([text], f"hop-{uuid.uuid4().hex[:12]}", self.model)
+            return self._replica.embed.remote(call).result().vectors.shape[1]
+
+        return {"http": http, "router-handle": router, "replica-handle": replica}[variant]
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def run_one(ways: Ways, variant: str, batch: list[str], meter_scopes: Mapping[str, Any]) -> Run:
+    from embedfleet.benchmarks.process_cpu import CpuMeter
+
+    call = ways.call(variant)
+    dims = {call(t) for t in batch[:5]}  # warm the path (connections, handles) before measuring
+    meter = CpuMeter(meter_scopes).start()
+    lat: list[float] = []
+    for t in batch:
+        t0 = time.perf_counter()
+        dims.add(call(t))
+        lat.append(1000.0 * (time.perf_counter() - t0))
+    usage = meter.stop()
+    if len(dims) != 1:
+        raise RuntimeError(f"{variant}: vectors of several sizes came back: {sorted(dims)}")
+    return Run(variant, lat, cpu_per_request(usage, len(batch)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m embedfleet.benchmarks.hop_profile",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default="all-minilm-l6-v2")
+    p.add_argument("--requests", type=int, default=300, help="per run (default 300)")
+    p.add_argument("--repeats", type=int, default=5, help="runs of each way in (default 5)")
+    p.add_argument("--app", default="embedfleet", help="the Serve application (default: "
+                   "embedfleet)")
+    p.add_argument("--out", type=Path, help="write the JSON report here")
+    args = p.parse_args(argv)
+    if args.requests < 10 or args.repeats < 1:
+        p.error("--requests must be at least 10 and --repeats at least 1")
+
+    import ray
+
+    from embedfleet.benchmarks.process_cpu import OwnProcess
+    from embedfleet.benchmarks.ray_cluster_scope import RayCluster
+    from embedfleet.cluster.prometheus_server import PID_NAME
+    from embedfleet.deployments.settings import settings
+
+    s = settings()
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    scopes = {"cluster": RayCluster(urlparse(args.url).port or 80,
+                                    s.state_dir / "prometheus" / PID_NAME),
+              "client": OwnProcess(os.getpid(), CLIENT)}
+    ways = Ways(args.url, args.model, args.app)
+    runs: list[Run] = []
+    try:
+        for k, variant in enumerate(order(args.repeats)):
+            run = run_one(ways, variant, texts(args.requests, seed=k), scopes)
+            runs.append(run)
+            print(f"{variant:15s} p50 {run.p50_ms:6.1f} ms  mean {run.mean_ms:6.1f} ms  CPU "
+                  f"{sum(run.cpu_ms_per_request.values()):6.1f} ms/request", file=sys.stderr)
+    finally:
+        ways.close()
+    summary = summarize(runs)
+    report = {"command": "python -m embedfleet.benchmarks.hop_profile " + " ".join(argv or sys.argv[1:]),
+              "url": args.url, "model": args.model, "requests_per_run": args.requests,
+              "repeats": args.repeats, "cluster": scopes["cluster"].describe(), **summary,
+              "runs": [{"variant": r.variant, "p50_ms": round(r.p50_ms, 2),
+                        "mean_ms": round(r.mean_ms, 2),
+                        "cpu_ms_per_request": {g: round(v, 3)
+                                               for g, v in r.cpu_ms_per_request.items()}}
+                       for r in runs]}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    print(table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -33,7 +33,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -50,7 +50,8 @@ CLIENT = "this client"
 class Run:
     variant: str
     latencies_ms: list[float]
-    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
+    # None: the cluster's processes were not found, so CPU is unmeasured (never read as 0)
+    cpu_ms_per_request: dict[str, float] | None = None
 
     @property
     def p50_ms(self) -> float:
@@ -66,12 +67,6 @@ def order(repeats: int) -> list[str]:
     return [VARIANTS[(i + r) % len(VARIANTS)] for r in range(repeats) for i in range(len(VARIANTS))]
 
 
-def texts(n: int, seed: int) -> list[str]:
-    from embedfleet.benchmarks.workloads import short_queries
-
-    return short_queries(n, seed)
-
-
 def summarize(runs: Sequence[Run]) -> dict[str, Any]:
     """Medians over the repeats, per variant, and each hop as a difference of medians."""
     by: dict[str, list[Run]] = {v: [r for r in runs if r.variant == v] for v in VARIANTS}
@@ -79,9 +74,12 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"no run of {missing}: every variant needs at least one repeat")
     p50 = {v: statistics.median(r.p50_ms for r in rs) for v, rs in by.items()}
-    groups = sorted({g for r in runs for g in r.cpu_ms_per_request})
-    cpu = {v: {g: round(statistics.median(r.cpu_ms_per_request.get(g, 0.0) for r in rs), 3)
-               for g in groups} for v, rs in by.items()}
+    groups = sorted({g for r in runs for g in r.cpu_ms_per_request or ()})
+    cpu: dict[str, dict[str, float] | None] = {}
+    for v, rs in by.items():
+        measured = [r.cpu_ms_per_request for r in rs if r.cpu_ms_per_request is not None]
+        cpu[v] = {g: round(statistics.median(c.get(g, 0.0) for c in measured), 3)
+                  for g in groups} if measured else None
     hops = [{"hop": name, "p50_ms": round(p50[with_] - (p50[without] if without else 0.0), 2),
              "from": f"{with_} - {without}" if without else with_}
             for name, with_, without in HOPS]
@@ -90,7 +88,8 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
                          "p50_ms_per_repeat": [round(r.p50_ms, 2) for r in by[v]],
                          "mean_ms": round(statistics.median(r.mean_ms for r in by[v]), 2),
                          "cpu_ms_per_request": cpu[v],
-                         "cpu_ms_per_request_total": round(sum(cpu[v].values()), 2)}
+                         "cpu_ms_per_request_total": (None if cpu[v] is None
+                                                      else round(sum(cpu[v].values()), 2))}
                      for v in VARIANTS},
         "hops": hops,
     }
@@ -98,24 +97,29 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
 
 def table(summary: Mapping[str, Any]) -> str:
     variants = summary["variants"]
-    groups = sorted({g for v in variants.values() for g in v["cpu_ms_per_request"]},
-                    key=lambda g: -variants["http"]["cpu_ms_per_request"].get(g, 0.0))
+    http_cpu = variants["http"]["cpu_ms_per_request"] or {}
+    groups = sorted({g for v in variants.values() for g in v["cpu_ms_per_request"] or ()},
+                    key=lambda g: -http_cpu.get(g, 0.0))
     lines = ["| way in | p50 ms | mean ms | CPU-ms / request | " + " | ".join(groups) + " |",
              "|---|---|---|---|" + "---|" * len(groups)]
     for name, v in variants.items():
+        cpu = v["cpu_ms_per_request"]
+        cells = ["unmeasured"] * (1 + len(groups)) if cpu is None else (
+            [f"{v['cpu_ms_per_request_total']:.1f}"] + [f"{cpu.get(g, 0.0):.1f}" for g in groups])
         lines.append(f"| {name} | {v['p50_ms']:.1f} | {v['mean_ms']:.1f} | "
-                     f"{v['cpu_ms_per_request_total']:.1f} | "
-                     + " | ".join(f"{v['cpu_ms_per_request'].get(g, 0.0):.1f}" for g in groups)
-                     + " |")
+                     + " | ".join(cells) + " |")
     lines += ["", "| hop | p50 ms | from |", "|---|---|---|"]
     lines += [f"| {h['hop']} | {h['p50_ms']:.1f} | {h['from']} |" for h in summary["hops"]]
     return "\n".join(lines)
 
 
-def cpu_per_request(usage: Mapping[str, Any], requests: int) -> dict[str, float]:
-    """``CpuMeter.stop()``'s scopes as CPU-ms per request per group (the client as one group)."""
-    out = {g: 1000.0 * s / requests
-           for g, s in usage["scopes"]["cluster"]["by_group"].items()}
+def cpu_per_request(usage: Mapping[str, Any], requests: int) -> dict[str, float] | None:
+    """``CpuMeter.stop()``'s scopes as CPU-ms per request per group (the client as one group);
+    None when no process of the cluster was found (as ``report.cpu_section`` treats it)."""
+    cluster = usage["scopes"]["cluster"]
+    if cluster["processes"] == 0:
+        return None
+    out = {g: 1000.0 * s / requests for g, s in cluster["by_group"].items()}
     out[CLIENT] = 1000.0 * usage["scopes"]["client"]["cpu_s"] / requests
     return out
 
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from embedfleet.benchmarks.process_cpu import OwnProcess
     from embedfleet.benchmarks.ray_cluster_scope import RayCluster
+    from embedfleet.benchmarks.workloads import short_queries
     from embedfleet.cluster.prometheus_server import PID_NAME
     from embedfleet.deployments.settings import settings
 
@@ -204,20 +209,23 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     try:
         for k, variant in enumerate(order(args.repeats)):
-            run = run_one(ways, variant, texts(args.requests, seed=k), scopes)
+            run = run_one(ways, variant, short_queries(args.requests, seed=k), scopes)
             runs.append(run)
-            print(f"{variant:15s} p50 {run.p50_ms:6.1f} ms  mean {run.mean_ms:6.1f} ms  CPU "
-                  f"{sum(run.cpu_ms_per_request.values()):6.1f} ms/request", file=sys.stderr)
+            cpu = ("unmeasured" if run.cpu_ms_per_request is None
+                   else f"{sum(run.cpu_ms_per_request.values()):6.1f} ms/request")
+            print(f"{variant:15s} p50 {run.p50_ms:6.1f} ms  mean {run.mean_ms:6.1f} ms  CPU {cpu}",
+                  file=sys.stderr)
     finally:
         ways.close()
     summary = summarize(runs)
-    report = {"command": "python -m embedfleet.benchmarks.hop_profile " + " ".join(argv or sys.argv[1:]),
+    command = "python -m embedfleet.benchmarks.hop_profile " + " ".join(argv or sys.argv[1:])
+    report = {"command": command,
               "url": args.url, "model": args.model, "requests_per_run": args.requests,
               "repeats": args.repeats, "cluster": scopes["cluster"].describe(), **summary,
               "runs": [{"variant": r.variant, "p50_ms": round(r.p50_ms, 2),
                         "mean_ms": round(r.mean_ms, 2),
-                        "cpu_ms_per_request": {g: round(v, 3)
-                                               for g, v in r.cpu_ms_per_request.items()}}
+                        "cpu_ms_per_request": None if r.cpu_ms_per_request is None else
+                        {g: round(v, 3) for g, v in r.cpu_ms_per_request.items()}}
                        for r in runs]}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

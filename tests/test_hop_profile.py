@@ -34,13 +34,23 @@ def test_hops_are_differences_of_the_medians_over_repeats():
 
 
 def test_cpu_is_per_request_per_group_with_the_client_apart():
-    usage = {"scopes": {"cluster": {"cpu_s": 3.0, "by_group": {"serve proxy": 1.0,
-                                                               "embedfleet:Router": 2.0}},
+    usage = {"scopes": {"cluster": {"cpu_s": 3.0, "processes": 40,
+                                    "by_group": {"serve proxy": 1.0, "embedfleet:Router": 2.0}},
                         "client": {"cpu_s": 0.5}}}
     assert cpu_per_request(usage, 100) == {"serve proxy": 10.0, "embedfleet:Router": 20.0,
                                            CLIENT: 5.0}
     runs = [Run(v, [1.0], cpu_per_request(usage, 100)) for v in VARIANTS]
     assert summarize(runs)["variants"]["http"]["cpu_ms_per_request_total"] == 35.0
+
+
+def test_a_cluster_whose_processes_were_not_found_is_unmeasured_never_zero_cpu():
+    usage = {"scopes": {"cluster": {"cpu_s": 0.0, "processes": 0, "by_group": {}},
+                        "client": {"cpu_s": 0.5}}}
+    assert cpu_per_request(usage, 100) is None
+    s = summarize([Run(v, [1.0], None) for v in VARIANTS])
+    assert s["variants"]["http"]["cpu_ms_per_request"] is None
+    assert s["variants"]["http"]["cpu_ms_per_request_total"] is None
+    assert "| http | 1.0 | 1.0 | unmeasured |" in table(s)
 
 
 def test_a_way_in_that_never_ran_is_an_error_not_a_zero_hop():

@@ -5,9 +5,9 @@ the Ray actor options of each deployment (``deployment_options``), and the vLLM 
 each replica (``engine_kwargs``). Invalid configs fail at load with a message naming the field and
 the value (pydantic's errors carry the field path; our validators put the values in the message).
 
-Three sections live in their own modules: where a model's weights come from (``model_source.py``),
-a model's ``routing`` (``config_routing.py``) and the ``cluster`` section that only the 910B
-manifests read (``config_cluster.py``).
+Four sections live in their own modules: where a model's weights come from (``model_source.py``),
+a model's ``routing`` (``config_routing.py``), the ``router`` (``config_router.py``) and the
+``cluster`` section that only the 910B manifests read (``config_cluster.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativ
 Dtype = Literal["float32", "float16", "bfloat16"]
 
 from embedfleet.deployments.config_cluster import ClusterDeployConfig
+from embedfleet.deployments.config_router import RouterConfig
 from embedfleet.deployments.config_routing import RoutingConfig
 from embedfleet.deployments.contracts import Ceiling
 from embedfleet.deployments.model_source import ModelSource
@@ -208,35 +209,6 @@ class PlatformProfile(_Strict):
     @property
     def default_block_size(self) -> int:
         return {"cpu": 32, "cuda": 16, "ascend": 128}[self.kind]
-
-
-class RouterConfig(_Strict):
-    host: str = "0.0.0.0"
-    port: Annotated[int, Field(ge=1, le=65535)] = 8000
-    max_body_bytes: PositiveInt = Field(default=8 << 20, description="Larger bodies get 413.")
-    max_inputs_per_request: PositiveInt = Field(default=2048, description="OpenAI's own limit.")
-    request_timeout_s: PositiveFloat = Field(
-        default=120, description="Bound on one request's time inside the cluster."
-    )
-    retry_after_s: PositiveInt = Field(default=1, description="Retry-After on 429/503.")
-    max_model_share: Annotated[float, Field(gt=0, le=1)] = Field(
-        default=0.75, description="With several models, the share of the router's concurrent "
-        "requests one model may hold; past it, 429 + Retry-After. Keeps a flood held for one "
-        "model (a cold start, a replaced replica) from stalling the others; 1 = no limit (the "
-        "flooded model's later requests then wait instead of getting 429).")
-    replicas: Annotated[int, Field(ge=1, le=16)] = Field(
-        default=2, description="Router replicas. Each holds up to 936 calls and its own "
-        "max_model_share of them, so with 2 a flood of one model (1,024 calls, the chaos tool's "
-        "largest burst) stays under the share and the other models keep their slots.")
-    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
-        default="EveryNode", description="Where Serve runs HTTP proxies. EveryNode keeps the "
-        "HTTP port open when one proxy dies; on a local multi-node cluster (nodes > 1 on one "
-        "machine) the proxies share the port, as Serve binds it with SO_REUSEPORT.")
-    api_keys_file: str | None = Field(
-        default=None, description="File of bearer API keys, one per line; none = open API.")
-    api_keys_env: str | None = Field(
-        default="EMBEDFLEET_API_KEYS",
-        description="Environment variable with comma-separated API keys (read at start-up).")
 
 
 class EmbedfleetConfig(_Strict):

@@ -13,6 +13,8 @@
   there is one, else on the replacement, until the bound — the larger of ``request_timeout_s``
   and ``cold_start_hold_s`` — passes; then 503 + Retry-After saying why.
 * Serve's own queue full is 429 + Retry-After.
+* A small call (online traffic) goes by value over Serve's gRPC transport, a large one through
+  Ray's object store (``by_value``; ``router.handle_transport``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,23 @@ from embedfleet.deployments.request_path.readiness import ReadinessView
 logger = logging.getLogger("embedfleet.remote")
 
 REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+# Serve's gRPC transport (a handle's ``_by_reference=False``, Ray 2.60) sends a call straight to
+# the replica's own gRPC server and its answer back by value, past Ray core's task submission and
+# object store. Its messages are capped at 4 MiB (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH) and a
+# large answer is cheaper as a zero-copy object, so only small calls take it: online traffic.
+# 32 texts of at most 256 KiB in all: their answer is at most 32 x 4,096 float32 = 512 KiB.
+BY_VALUE_MAX_INPUTS = 32
+BY_VALUE_MAX_BYTES = 256 << 10
+TOKEN_ID_BYTES = 5  # a pickled int below 2**31
+
+
+def by_value(call: EmbedCall) -> bool:
+    """Whether ``call`` is small enough for the gRPC transport (see BY_VALUE_MAX_BYTES)."""
+    if len(call.inputs) > BY_VALUE_MAX_INPUTS:
+        return False
+    size = sum(len(x.encode()) if isinstance(x, str) else TOKEN_ID_BYTES * len(x)
+               for x in call.inputs)
+    return size <= BY_VALUE_MAX_BYTES
 
 
 class RemoteCaller:
@@ -43,6 +62,9 @@ class RemoteCaller:
     def __init__(self, handle: Any, model: ModelConfig, router: RouterConfig,
                  readiness: ReadinessView) -> None:
         self._handle = handle
+        # None: every call through the object store (``router.handle_transport``)
+        self._by_value = (handle.options(_by_reference=False)
+                          if router.handle_transport == "grpc" else None)
         self._model = model
         self._router = router
         self._readiness = readiness
@@ -80,7 +102,9 @@ class RemoteCaller:
             left_s = deadline - time.monotonic()  # an attempt and its hold stay within the bound
             timeout = max(0.1, min(self._router.request_timeout_s, left_s))
             sent_cold = hold_s > 0 and not self._readiness.has_ready_now(call.model)
-            response = self._handle.embed.remote(call)
+            handle = (self._by_value if self._by_value is not None and by_value(call)
+                      else self._handle)
+            response = handle.embed.remote(call)
             try:
                 return await await_with_hold(response, timeout,
                                              lambda: min(self._hold_s(call.model), left_s),

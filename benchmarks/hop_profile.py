@@ -8,8 +8,11 @@ Against a running cluster (``embedfleet up``), three ways in, alternated in ever
 * ``http``: ``POST /v1/embeddings`` (client -> Serve proxy -> Router -> replica -> vLLM);
 * ``router-handle``: ``Router.embed_batch`` through its Serve handle from this Ray driver, on the
   interactive lane (driver -> Router -> replica -> vLLM): no HTTP, no proxy;
-* ``replica-handle``: the model's engine deployment's ``embed`` through its Serve handle
-  (driver -> replica -> vLLM): no router either.
+* ``replica-handle``: the model's engine deployment's ``embed`` through its Serve handle, by
+  value over Serve's gRPC transport as the Router sends a small call (driver -> replica -> vLLM):
+  no router either;
+* ``replica-object-store``: the same call through Ray core's actor call and object store (the
+  Router's ``handle_transport: object_store``), so one run also prices the transport.
 
 Each hop's cost is the difference of two medians (p50 of each run, median over the repeats):
 ``http - router-handle`` is HTTP and the proxy hop, ``router-handle - replica-handle`` the
@@ -38,11 +41,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-VARIANTS = ("http", "router-handle", "replica-handle")
+VARIANTS = ("http", "router-handle", "replica-handle", "replica-object-store")
 # (hop, the variant that includes it, the variant that does not); None: nothing below it measured
 HOPS = (("HTTP + Serve proxy", "http", "router-handle"),
         ("Router (its work + its handle call)", "router-handle", "replica-handle"),
         ("replica + vLLM engine", "replica-handle", None))
+# Not a hop of the online path: what the object store costs instead of gRPC on the same call.
+TRANSPORT = ("object store instead of gRPC (replica's handle)", "replica-object-store",
+             "replica-handle")
 CLIENT = "this client"
 
 
@@ -83,6 +89,9 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
     hops = [{"hop": name, "p50_ms": round(p50[with_] - (p50[without] if without else 0.0), 2),
              "from": f"{with_} - {without}" if without else with_}
             for name, with_, without in HOPS]
+    name, slow, fast = TRANSPORT
+    cpu_delta = (None if cpu[slow] is None or cpu[fast] is None
+                 else round(sum(cpu[slow].values()) - sum(cpu[fast].values()), 2))
     return {
         "variants": {v: {"p50_ms": round(p50[v], 2),
                          "p50_ms_per_repeat": [round(r.p50_ms, 2) for r in by[v]],
@@ -92,6 +101,9 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
                                                       else round(sum(cpu[v].values()), 2))}
                      for v in VARIANTS},
         "hops": hops,
+        "transport": {"what": name, "from": f"{slow} - {fast}",
+                      "p50_ms": round(p50[slow] - p50[fast], 2),
+                      "cpu_ms_per_request": cpu_delta},
     }
 
 
@@ -110,6 +122,10 @@ def table(summary: Mapping[str, Any]) -> str:
                      + " | ".join(cells) + " |")
     lines += ["", "| hop | p50 ms | from |", "|---|---|---|"]
     lines += [f"| {h['hop']} | {h['p50_ms']:.1f} | {h['from']} |" for h in summary["hops"]]
+    t = summary["transport"]
+    cpu = "unmeasured" if t["cpu_ms_per_request"] is None else f"{t['cpu_ms_per_request']:+.1f}"
+    lines += ["", f"{t['what']}: {t['p50_ms']:+.1f} ms p50, {cpu} CPU-ms / request "
+              f"({t['from']})"]
     return "\n".join(lines)
 
 
@@ -136,7 +152,8 @@ class Ways:
         self.model = model
         self._http = httpx.Client(base_url=url, timeout=60)
         self._router = serve.get_deployment_handle(ROUTER_NAME, app)
-        self._replica = serve.get_deployment_handle(engine_deployment_name(model), app)
+        self._object_store = serve.get_deployment_handle(engine_deployment_name(model), app)
+        self._replica = self._object_store.options(_by_reference=False)
 
     def call(self, variant: str) -> Callable[[str], int]:
         from embedfleet.deployments.contracts import BatchCall, EmbedCall
@@ -151,11 +168,14 @@ class Ways:
                 BatchCall(self.model, [text], None, "interactive")).result()
             return res.vectors.shape[1]
 
-        def replica(text: str) -> int:
-            call = EmbedCall([text], f"hop-{uuid.uuid4().hex[:12]}", self.model)
-            return self._replica.embed.remote(call).result().vectors.shape[1]
+        def replica(handle: Any) -> Callable[[str], int]:
+            def embed(text: str) -> int:
+                call = EmbedCall([text], f"hop-{uuid.uuid4().hex[:12]}", self.model)
+                return handle.embed.remote(call).result().vectors.shape[1]
+            return embed
 
-        return {"http": http, "router-handle": router, "replica-handle": replica}[variant]
+        return {"http": http, "router-handle": router, "replica-handle": replica(self._replica),
+                "replica-object-store": replica(self._object_store)}[variant]
 
     def close(self) -> None:
         self._http.close()

@@ -9,11 +9,12 @@ from embedfleet.benchmarks.hop_profile import (CLIENT, VARIANTS, Run, cpu_per_re
 
 
 def test_every_repeat_runs_each_way_once_and_the_first_way_rotates():
-    seq = order(3)
-    assert len(seq) == 9
-    rounds = [seq[i:i + 3] for i in range(0, 9, 3)]
+    n = len(VARIANTS)
+    seq = order(n)
+    assert len(seq) == n * n
+    rounds = [seq[i:i + n] for i in range(0, n * n, n)]
     assert all(sorted(r) == sorted(VARIANTS) for r in rounds)
-    assert len({r[0] for r in rounds}) == 3  # no way in always runs first (or last)
+    assert len({r[0] for r in rounds}) == n  # no way in always runs first (or last)
 
 
 def test_hops_are_differences_of_the_medians_over_repeats():
@@ -21,7 +22,8 @@ def test_hops_are_differences_of_the_medians_over_repeats():
             Run("router-handle", [30, 30, 30]), Run("router-handle", [35, 35, 35]),
             Run("router-handle", [31, 31, 31]),
             Run("replica-handle", [12, 12, 12]), Run("replica-handle", [13, 13, 13]),
-            Run("replica-handle", [10, 10, 10])]
+            Run("replica-handle", [10, 10, 10]),
+            Run("replica-object-store", [15, 15, 15]), Run("replica-object-store", [16, 16, 16])]
     s = summarize(runs)
     assert s["variants"]["http"]["p50_ms"] == 50  # median of the runs' p50s 50, 45, 100
     assert s["variants"]["router-handle"]["p50_ms"] == 31
@@ -31,6 +33,9 @@ def test_hops_are_differences_of_the_medians_over_repeats():
                     "replica + vLLM engine": 12}
     assert sum(hops.values()) == s["variants"]["http"]["p50_ms"]
     assert "| HTTP + Serve proxy | 19.0 |" in table(s)
+    # the transport is priced on the replica's handle, apart from the hops: 15.5 - 12
+    assert s["transport"]["p50_ms"] == 3.5 and s["transport"]["cpu_ms_per_request"] is None
+    assert "object store instead of gRPC (replica's handle): +3.5 ms p50" in table(s)
 
 
 def test_cpu_is_per_request_per_group_with_the_client_apart():
@@ -41,6 +46,7 @@ def test_cpu_is_per_request_per_group_with_the_client_apart():
                                            CLIENT: 5.0}
     runs = [Run(v, [1.0], cpu_per_request(usage, 100)) for v in VARIANTS]
     assert summarize(runs)["variants"]["http"]["cpu_ms_per_request_total"] == 35.0
+    assert summarize(runs)["transport"]["cpu_ms_per_request"] == 0.0
 
 
 def test_a_cluster_whose_processes_were_not_found_is_unmeasured_never_zero_cpu():

@@ -3,7 +3,7 @@
     python -m embedfleet.benchmarks.hop_profile [--url URL] [--model M] [--requests 300]
         [--repeats 5] [--out FILE]
 
-Against a running cluster (``embedfleet up``), three ways in, alternated in every repeat:
+Against a running cluster (``embedfleet up``), four ways in, alternated in every repeat:
 
 * ``http``: ``POST /v1/embeddings`` (client -> Serve proxy -> Router -> replica -> vLLM);
 * ``router-handle``: ``Router.embed_batch`` through its Serve handle from this Ray driver, on the
@@ -141,7 +141,7 @@ def cpu_per_request(usage: Mapping[str, Any], requests: int) -> dict[str, float]
 
 
 class Ways:
-    """The three ways into the cluster, each a callable embedding one text."""
+    """The four ways into the cluster, each a callable embedding one text."""
 
     def __init__(self, url: str, model: str, app: str) -> None:
         import httpx

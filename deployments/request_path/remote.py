@@ -94,6 +94,8 @@ class RemoteCaller:
         retry_after = self._router.retry_after_s
         deadline = time.monotonic() + self._bound_s
         attempt = 0
+        # the same call on every attempt, so the same transport
+        handle = self._by_value if self._by_value is not None and by_value(call) else self._handle
         while True:
             why = self._unservable(call.model)
             if why is not None:
@@ -102,8 +104,6 @@ class RemoteCaller:
             left_s = deadline - time.monotonic()  # an attempt and its hold stay within the bound
             timeout = max(0.1, min(self._router.request_timeout_s, left_s))
             sent_cold = hold_s > 0 and not self._readiness.has_ready_now(call.model)
-            handle = (self._by_value if self._by_value is not None and by_value(call)
-                      else self._handle)
             response = handle.embed.remote(call)
             try:
                 return await await_with_hold(response, timeout,

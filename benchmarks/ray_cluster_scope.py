@@ -80,6 +80,8 @@ def ray_role(pid: int, table: Mapping[int, Proc]) -> str:
             return "serve controller"
         if t.startswith("ray::ProxyActor"):
             return "serve proxy"
+        if t.startswith("ray::HAProxyManager"):  # router.http_ingress: haproxy, with its haproxy
+            return "serve haproxy"
         pid = table[pid].ppid
     return RAY_SYSTEM
 
@@ -104,7 +106,8 @@ def listener_pid(port: int) -> int | None:
 class RayCluster:
     """Every process of the Ray cluster serving ``port``, and its Prometheus.
 
-    The cluster is found once (``locate``): the process listening on ``port`` (Serve's proxy) is
+    The cluster is found once (``locate``): the process listening on ``port`` (Serve's proxy, or
+    the HAProxy its HAProxyManager actor runs) is
     walked up to its raylet, whose ``--session-name`` names the cluster. Its processes are then,
     at every reading, all processes whose command line carries that session name, its GCS address
     or one of its node ids (gcs_server, raylets, dashboard, log monitors, autoscaler monitor,

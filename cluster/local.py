@@ -17,7 +17,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from embedfleet.deployments.options import HEAD_ENV_VARS
 from embedfleet.deployments.settings import settings
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -52,19 +51,21 @@ def local_node_name(i: int) -> str:
     return f"local-node-{i}"
 
 
-def start_head(cards: int, resource: str = "NPU", nodes: int = 1) -> str:
+def start_head(cards: int, resource: str = "NPU", nodes: int = 1,
+               ray_env: dict[str, str] | None = None) -> str:
     """Start a local Ray cluster with ``cards`` logical cards, or join the one already running.
 
     ``nodes > 1`` starts a head and ``nodes - 1`` worker nodes on this machine, each with
     ``cards / nodes`` cards and its own node name (they all share this machine's IP, so the name
-    is what tells their cards apart)."""
+    is what tells their cards apart). ``ray_env`` is every node's `ray start` environment
+    (``options.ray_head_env``: on one machine the head's serves the worker nodes too)."""
     s = settings()
     address = f"{node_ip()}:{s.ray_port}"
     if ray_running(address):
         print(f"joining the Ray head already running at {address}")
         return address
     per_node = cards // nodes
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **HEAD_ENV_VARS}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(ray_env or {})}
     named = [f"--node-name={local_node_name(0)}"] if nodes > 1 else []
     cmd = [RAY, "start", "--head", f"--port={s.ray_port}",
            f"--dashboard-port={s.dashboard_port}", "--dashboard-host=127.0.0.1",
@@ -123,6 +124,40 @@ def node_ip() -> str:
 def stop_head() -> None:
     subprocess.run([RAY, "stop", "--force"], check=False, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
+    stop_serve_haproxy()
+
+
+# Serve's HAProxy mode runs `haproxy -db -f <RAY_SERVE_HAPROXY_CONFIG_FILE_LOC>/<hash>/haproxy.cfg`
+# as a child of its HAProxyManager actor. `ray stop --force` kills the actor, not the child, and the
+# orphan keeps the HTTP port: the next `embedfleet up` would then answer from a dead cluster's
+# HAProxy (measured: port 8000 still held after `embedfleet down`).
+_SERVE_HAPROXY_CONFIG_DIR = "/haproxy-serve/"
+
+
+def stop_serve_haproxy(config_dir: str = _SERVE_HAPROXY_CONFIG_DIR,
+                       timeout_s: float = 5.0) -> list[int]:
+    """Terminate every HAProxy on this machine whose config lies under ``config_dir`` (Serve's
+    HAProxy folder); the pids it stopped."""
+    import psutil
+
+    procs = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if (p.info["name"] == "haproxy" or (cmd and Path(cmd[0]).name == "haproxy")) and any(
+                config_dir in arg for arg in cmd):
+            procs.append(p)
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [p.pid for p in procs]
 
 
 def dashboard_url(address: str | None) -> str:

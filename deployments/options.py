@@ -34,6 +34,19 @@ HEAD_ENV_VARS = {
 }
 
 
+def ray_node_env(cfg: EmbedfleetConfig) -> dict[str, str]:
+    """What `ray start` needs in its environment on every node (head and workers: local,
+    KubeRay's containers, the launcher's start commands). Serve's controller reads HAProxy mode
+    from the head's; each Router replica reads it from its own node's to open its own HTTP
+    server for HAProxy, so every node must agree."""
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if cfg.router.http_ingress == "haproxy" else {}
+
+
+def ray_head_env(cfg: EmbedfleetConfig) -> dict[str, str]:
+    """The head's `ray start` environment: HEAD_ENV_VARS and every node's."""
+    return {**HEAD_ENV_VARS, **ray_node_env(cfg)}
+
+
 ENGINE_PREFIX = "engine-"
 
 

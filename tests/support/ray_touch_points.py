@@ -230,6 +230,15 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     T("serve/_private/constants.py", "PROXY_HEALTH_CHECK_PERIOD_S",
       contains=("'RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S'",),
       used_by="deployments/options.py HEAD_ENV_VARS -> cluster/local.py, manifest_kuberay.py"),
+    # router.http_ingress: haproxy. The controller and each Router replica read HAProxy mode from
+    # their node's environment (options.ray_node_env); `embedfleet down` finds Serve's orphaned
+    # HAProxy by its config folder (cluster/local.py stop_serve_haproxy).
+    T("serve/_private/constants.py", "RAY_SERVE_ENABLE_HA_PROXY",
+      contains=("'RAY_SERVE_ENABLE_HA_PROXY'",),
+      used_by="deployments/options.py ray_node_env -> cluster/local.py, manifest_*.py"),
+    T("serve/_private/constants.py", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC",
+      contains=("'/tmp/haproxy-serve/haproxy.cfg'",),
+      used_by="cluster/local.py _SERVE_HAPROXY_CONFIG_DIR"),
     # deployments/options.MAX_ONGOING_REQUESTS: an async actor runs this many calls at once, and
     # Serve raises it only to a larger max_ongoing_requests (no headroom for health checks).
     T("_common/ray_constants.py", "DEFAULT_MAX_CONCURRENCY_ASYNC", value=1000,

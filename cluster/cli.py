@@ -96,6 +96,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             time.sleep(1)
     except KeyboardInterrupt:
         pass
+    import ray
+
+    ray.shutdown()  # the status reads' driver (status.connect), before its cluster goes
     return cmd_down(args)
 
 

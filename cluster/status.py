@@ -49,42 +49,52 @@ def _states(dep: Any) -> dict[str, int]:
             for k, v in (dep.replica_states or {}).items()}
 
 
+def connect(address: str | None = None) -> None:
+    """Make this process a driver of the cluster once, for the rest of the command.
+
+    Not a connection per call: Serve's handle threads (its router loop and long-poll client)
+    outlive ``ray.shutdown()``, and their next call re-connects by Ray's auto-init, with Ray's
+    defaults: every cluster log then streams to the operator's terminal, and a later
+    ``ray.init`` here raises "called ray.init twice". CI saw `prefix-cache --clear` exit 1 so,
+    between the status read and the clear. Ray's exit hook disconnects."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", namespace="serve", logging_level="ERROR",
+                 log_to_driver=False)
+
+
 def collect(address: str | None = None, app: str | None = None) -> list[AppStatus]:
     """Every embedfleet application deployed (or just ``app``), from the running cluster."""
-    import ray
     from ray import serve
 
     from embedfleet.deployments.control.placement import pending_replica_actors
 
-    ray.init(address=address or "auto", namespace="serve", logging_level="ERROR",
-             log_to_driver=False)
-    try:
-        out = []
-        for name, a in serve.status().applications.items():
-            if app not in (None, name) or REGISTRY_NAME not in a.deployments:
-                continue
-            fleet, error = None, ""
-            try:
-                handle = serve.get_deployment_handle(REGISTRY_NAME, name)
-                fleet = handle.status.remote().result(timeout_s=30)
-            except Exception as exc:  # registry not up yet
-                error = f"FleetRegistry did not answer: {exc!r}"
-            pending = pending_replica_actors(name)
-            settled = all(sum(v for k, v in _states(d).items() if k != "RUNNING")
-                          == pending.get(n, 0) for n, d in a.deployments.items())
-            serve_view = {}
-            for m in (fleet.models if fleet else []):
-                dep = a.deployments.get(engine_deployment_name(m.model))
-                serve_view[m.model] = ServeView(
-                    deployment_status=str(dep.status.value) if dep else "NOT_DEPLOYED",
-                    message=dep.message if dep else "", replica_states=_states(dep) if dep
-                    else {})
-            out.append(AppStatus(app=name, app_status=str(a.status.value),
-                                 app_message=a.message, settled=settled, fleet=fleet,
-                                 serve=serve_view, error=error))
-        return out
-    finally:
-        ray.shutdown()
+    connect(address)
+    out = []
+    for name, a in serve.status().applications.items():
+        if app not in (None, name) or REGISTRY_NAME not in a.deployments:
+            continue
+        fleet, error = None, ""
+        try:
+            handle = serve.get_deployment_handle(REGISTRY_NAME, name)
+            fleet = handle.status.remote().result(timeout_s=30)
+        except Exception as exc:  # registry not up yet
+            error = f"FleetRegistry did not answer: {exc!r}"
+        pending = pending_replica_actors(name)
+        settled = all(sum(v for k, v in _states(d).items() if k != "RUNNING")
+                      == pending.get(n, 0) for n, d in a.deployments.items())
+        serve_view = {}
+        for m in (fleet.models if fleet else []):
+            dep = a.deployments.get(engine_deployment_name(m.model))
+            serve_view[m.model] = ServeView(
+                deployment_status=str(dep.status.value) if dep else "NOT_DEPLOYED",
+                message=dep.message if dep else "", replica_states=_states(dep) if dep
+                else {})
+        out.append(AppStatus(app=name, app_status=str(a.status.value),
+                             app_message=a.message, settled=settled, fleet=fleet,
+                             serve=serve_view, error=error))
+    return out
 
 
 def _print_model(m: ModelStatus, serve: ServeView | None) -> None:
@@ -125,39 +135,33 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_prefix_cache(args: argparse.Namespace) -> int:
     """Show the fleet's prefix-cache overrides (set when a canary failed), or clear one."""
-    import ray
     from ray import serve
 
     apps = [a for a in collect(args.address, args.app) if a.fleet is not None]
     if not apps:
         print("no embedfleet application is deployed on this cluster")
         return 1
-    ray.init(address=args.address or "auto", namespace="serve", logging_level="ERROR",
-             log_to_driver=False)
-    try:
-        for a in apps:
-            registry = serve.get_deployment_handle(REGISTRY_NAME, a.app)
-            models = [m.model for m in a.fleet.models]
-            if args.clear:
-                if args.clear not in models:
-                    print(f"error: --clear {args.clear!r}: not a model of application {a.app} "
-                          f"({', '.join(models)})", file=sys.stderr)
-                    return 2
-                cleared = registry.clear_prefix_cache_override.remote(args.clear).result(
-                    timeout_s=30)
-                print(f"{args.clear}: override cleared" if cleared else
-                      f"{args.clear}: no override to clear")
-                if cleared:
-                    print("  new replicas follow the model's prefix_cache setting again; "
-                          "running replicas keep caching off until they restart")
-                continue
-            for name in models:
-                o = registry.prefix_cache_override.remote(name).result(timeout_s=30)
-                print(f"{name}: " + (f"OFF by override since {time.ctime(o.at)} — {o.reason}"
-                                     if o else "no override"))
-        return 0
-    finally:
-        ray.shutdown()
+    for a in apps:
+        registry = serve.get_deployment_handle(REGISTRY_NAME, a.app)
+        models = [m.model for m in a.fleet.models]
+        if args.clear:
+            if args.clear not in models:
+                print(f"error: --clear {args.clear!r}: not a model of application {a.app} "
+                      f"({', '.join(models)})", file=sys.stderr)
+                return 2
+            cleared = registry.clear_prefix_cache_override.remote(args.clear).result(
+                timeout_s=30)
+            print(f"{args.clear}: override cleared" if cleared else
+                  f"{args.clear}: no override to clear")
+            if cleared:
+                print("  new replicas follow the model's prefix_cache setting again; "
+                      "running replicas keep caching off until they restart")
+            continue
+        for name in models:
+            o = registry.prefix_cache_override.remote(name).result(timeout_s=30)
+            print(f"{name}: " + (f"OFF by override since {time.ctime(o.at)} — {o.reason}"
+                                 if o else "no override"))
+    return 0
 
 
 def add_parsers(sub: Any) -> None:

@@ -53,8 +53,12 @@ def run_cli(*args: str, timeout: float = 900, check: bool = True) -> subprocess.
     proc = subprocess.run([EMBEDFLEET, *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=ROOT)
     if check and proc.returncode != 0:
+        # stderr's head as well as its tail: CI once saw only streamed cluster logs in the tail,
+        # with the command's own traceback above them.
+        err = proc.stderr if len(proc.stderr) <= 8000 else (
+            f"{proc.stderr[:4000]}\n[...]\n{proc.stderr[-4000:]}")
         raise AssertionError(f"embedfleet {' '.join(args)} exited {proc.returncode}:\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+                             f"{proc.stdout[-3000:]}\n{err}")
     return proc
 
 

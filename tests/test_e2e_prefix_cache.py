@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -167,10 +170,7 @@ print(" ".join(str(a.pid) for a in list_actors(filters=[("state", "=", "ALIVE")]
 def test_override_survives_a_registry_restart(cluster):
     # Runs after the canary switched the faulty model off. The registry keeps the override in
     # Ray's GCS-backed KV, so the replica Serve starts in place of a killed one still has it.
-    import os
     import signal
-    import subprocess
-    import sys
 
     from tests.support.live_cluster import wait_for
 
@@ -196,6 +196,15 @@ def test_override_survives_a_registry_restart(cluster):
     assert pc["state"] == "off", pc
 
 
+DRIVERS_RUN_AS = """
+import sys
+import ray
+from ray.util.state import list_jobs
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+print(sum(1 for j in list_jobs(limit=10000) if (j.entrypoint or "").endswith(sys.argv[1])))
+"""
+
+
 def test_prefix_cache_override_is_shown_and_can_be_cleared(cluster):
     # Runs after the canary switched the faulty model off.
     shown = run_cli("prefix-cache", "--app", "embedfleet").stdout
@@ -206,6 +215,14 @@ def test_prefix_cache_override_is_shown_and_can_be_cleared(cluster):
     assert f"{FAULTY_QWEN3}: no override" in run_cli("prefix-cache", "--app", "embedfleet").stdout
     again = run_cli("prefix-cache", "--app", "embedfleet", "--clear", FAULTY_QWEN3).stdout
     assert "no override to clear" in again
+    # Each run was one Ray driver. A driver per step (the status read, then the clear) left
+    # Serve's handle threads to re-connect between them by Ray's auto-init, which streamed every
+    # cluster log to the terminal and made the second ray.init raise: CI's `--clear` exited 1.
+    drivers = subprocess.run(
+        [sys.executable, "-c", DRIVERS_RUN_AS,
+         f"prefix-cache --app embedfleet --clear {FAULTY_QWEN3}"], capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token"})
+    assert drivers.returncode == 0, drivers.stderr[-2000:]
+    assert drivers.stdout.strip() == "2", drivers.stdout
     bad = run_cli("prefix-cache", "--app", "embedfleet", "--clear", "nope", check=False)
     assert bad.returncode == 2 and "not a model of application embedfleet" in bad.stderr
 

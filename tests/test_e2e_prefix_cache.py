@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,7 +12,7 @@ import requests
 
 from embedfleet.deployments.request_path.fingerprint import model_digest
 from tests.conftest import FAULT_ARM_FILE, FAULTY_QWEN3, MINILM, TINY_QWEN3, run_cli
-from tests.support.live_cluster import COLD_START_BOUND_S
+from tests.support.live_cluster import COLD_START_BOUND_S, ray_script
 
 pytestmark = pytest.mark.cluster
 
@@ -175,10 +173,7 @@ def test_override_survives_a_registry_restart(cluster):
     from tests.support.live_cluster import wait_for
 
     def registry_pid() -> str:
-        out = subprocess.run([sys.executable, "-c", REGISTRY_PID], capture_output=True,
-                             text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token"})
-        assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout.strip()
+        return ray_script(REGISTRY_PID)
 
     old = registry_pid()
     assert old and " " not in old, old
@@ -218,11 +213,8 @@ def test_prefix_cache_override_is_shown_and_can_be_cleared(cluster):
     # Each run was one Ray driver. A driver per step (the status read, then the clear) left
     # Serve's handle threads to re-connect between them by Ray's auto-init, which streamed every
     # cluster log to the terminal and made the second ray.init raise: CI's `--clear` exited 1.
-    drivers = subprocess.run(
-        [sys.executable, "-c", DRIVERS_RUN_AS,
-         f"prefix-cache --app embedfleet --clear {FAULTY_QWEN3}"], capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token"})
-    assert drivers.returncode == 0, drivers.stderr[-2000:]
-    assert drivers.stdout.strip() == "2", drivers.stdout
+    drivers = ray_script(DRIVERS_RUN_AS, f"prefix-cache --app embedfleet --clear {FAULTY_QWEN3}")
+    assert drivers == "2", drivers
     bad = run_cli("prefix-cache", "--app", "embedfleet", "--clear", "nope", check=False)
     assert bad.returncode == 2 and "not a model of application embedfleet" in bad.stderr
 

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from tests.conftest import AUTOSCALE, FAULTY_QWEN3, MINILM, ROOT, ZERO
-from tests.support.live_cluster import COLD_START_BOUND_S, alive_actors
+from tests.support.live_cluster import COLD_START_BOUND_S, alive_actors, ray_script
 
 pytestmark = pytest.mark.cluster
 
@@ -78,14 +78,6 @@ else:
         except ValueError:
             pass
 """
-
-
-def ray_script(script: str, *args: str) -> str:
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.strip()
 
 
 def ready_replicas(cluster, model) -> list[dict]:

@@ -1,9 +1,16 @@
-"""Helpers the end-to-end tests share: polling for a state, and Ray's view of live actors."""
+"""Helpers the end-to-end tests share: polling for a state, Ray's view of live actors, and a
+short-lived Ray driver script."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # A replica's cold start, as a bound for tests that wait for one: ~1 min on a quiet machine, 5 to
@@ -36,3 +43,12 @@ def alive_actors() -> tuple[list[Any], dict[str, str]]:
     finally:
         ray.shutdown()
     return actors, node_name
+
+
+def ray_script(script: str, *args: str) -> str:
+    """Run ``script`` as its own Ray driver (``python -c``, token auth) and return its stdout."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()

@@ -23,7 +23,7 @@ def serve_config(cfg: EmbedfleetConfig) -> dict[str, Any]:
                    governor_deployment_options(cfg)]
     deployments += [engine_deployment_options(cfg, m) for m in cfg.models]
     return {
-        "proxy_location": cfg.router.proxy_location,
+        "proxy_location": cfg.proxy_location,
         "http_options": {"host": cfg.router.host, "port": cfg.router.port},
         "applications": [{
             "name": cfg.app_name,

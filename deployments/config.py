@@ -241,6 +241,12 @@ class EmbedfleetConfig(_Strict):
             raise ValueError(f"model names must be unique; repeated: {dupes}")
         if self.cards % self.nodes:
             raise ValueError(f"cards={self.cards} cannot be split evenly over nodes={self.nodes}")
+        if self.router.proxy_location == "EveryNode" and self._one_machine_haproxy:
+            raise ValueError(
+                f"router.proxy_location='EveryNode' with nodes={self.nodes} on one machine and "
+                "router.http_ingress='haproxy': every node's HAProxy binds router.port and its "
+                "stats and metrics ports without SO_REUSEPORT, so all but one crash and restart "
+                "every few seconds; use HeadOnly (the default here) or http_ingress: serve_proxy")
         if self.health_stall_timeout_s <= self.health_check_timeout_s:
             raise ValueError(f"health_stall_timeout_s={self.health_stall_timeout_s:g} must be "
                              f"above health_check_timeout_s={self.health_check_timeout_s:g}")
@@ -265,6 +271,17 @@ class EmbedfleetConfig(_Strict):
                     f"< max_model_len={m.max_model_len}: a full-length input could never run"
                 )
         return self
+
+    @property
+    def _one_machine_haproxy(self) -> bool:
+        return self.nodes > 1 and self.router.http_ingress == "haproxy"
+
+    @property
+    def proxy_location(self) -> Literal["EveryNode", "HeadOnly"]:
+        """Serve's: as set, else EveryNode but HeadOnly for HAProxy on one machine's nodes."""
+        if self.router.proxy_location:
+            return self.router.proxy_location
+        return "HeadOnly" if self._one_machine_haproxy else "EveryNode"
 
     # -- rendering helpers: the single function from config to engine args -------------------
     def model(self, name: str) -> ModelConfig:

@@ -32,10 +32,15 @@ class RouterConfig(BaseModel):
         default=2, description="Router replicas. Each holds up to 936 calls and its own "
         "max_model_share of them, so with 2 a flood of one model (1,024 calls, the chaos tool's "
         "largest burst) stays under the share and the other models keep their slots.")
-    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
-        default="EveryNode", description="Where Serve runs HTTP proxies. EveryNode keeps the "
-        "HTTP port open when one proxy dies; on a local multi-node cluster (nodes > 1 on one "
-        "machine) the proxies share the port, as Serve binds it with SO_REUSEPORT.")
+    proxy_location: Literal["EveryNode", "HeadOnly"] | None = Field(
+        default=None, description="Where Serve runs its HTTP ingress (HAProxy or the Python "
+        "proxy). EveryNode keeps the HTTP port open when one node's ingress dies. None (the "
+        "default) = EveryNode, except HeadOnly on a local multi-node cluster (nodes > 1, every "
+        "node on this machine) with http_ingress: haproxy: each node's HAProxy would bind "
+        "`port` and its stats and metrics ports without SO_REUSEPORT, so all but the first "
+        "would crash and be restarted every few seconds (EveryNode is refused there). The "
+        "Python proxy binds with SO_REUSEPORT, so serve_proxy may share the port on one "
+        "machine.")
     api_keys_file: str | None = Field(
         default=None, description="File of bearer API keys, one per line; none = open API.")
     api_keys_env: str | None = Field(

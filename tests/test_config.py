@@ -133,15 +133,27 @@ def test_a_look_back_within_serves_metrics_interval_fails_at_load():
             "min_replicas": 1, "max_replicas": 2, "look_back_period_s": 10}}]))
 
 
-def test_local_multi_node_needs_an_even_split_and_renders_either_proxy_location():
-    # Both locations are valid on local nodes: EveryNode's proxies share router.port on one
-    # machine through SO_REUSEPORT (tests/support/ray_touch_points.py checks Serve still sets it).
+def test_local_multi_node_needs_an_even_split_and_one_haproxy_per_machine():
+    # The Python proxies share router.port on one machine through SO_REUSEPORT, HAProxy's cannot
+    # (tests/support/ray_touch_points.py checks both in Serve's sources): on local nodes HAProxy
+    # mode resolves HeadOnly, refuses EveryNode, and leaves the Python proxy either location.
+    two = {"cards": 6, "nodes": 2}
+    assert serve_config(parse_config(cfg(**two)))["proxy_location"] == "HeadOnly"
+    with pytest.raises(ConfigError, match=r"router.proxy_location='EveryNode' with nodes=2 .*"
+                                          r"http_ingress='haproxy'.*use HeadOnly"):
+        parse_config(cfg(**two, router={"proxy_location": "EveryNode"}))
     for where in ("HeadOnly", "EveryNode"):
-        ok = parse_config(cfg(cards=6, nodes=2, router={"proxy_location": where}))
+        ok = parse_config(cfg(**two, router={"proxy_location": where,
+                                             "http_ingress": "serve_proxy"}))
         assert serve_config(ok)["proxy_location"] == where
+    assert serve_config(parse_config(cfg(**two, router={"http_ingress": "serve_proxy"})))[
+        "proxy_location"] == "EveryNode"
     with pytest.raises(ConfigError, match=r"cards=5 cannot be split evenly over nodes=2"):
         parse_config(cfg(cards=5, nodes=2))
+    # one node (or a real cluster, one node per machine): EveryNode, whichever ingress
     assert serve_config(parse_config(cfg()))["proxy_location"] == "EveryNode"
+    assert serve_config(parse_config(cfg(router={"proxy_location": "HeadOnly"})))[
+        "proxy_location"] == "HeadOnly"
 
 
 def test_render_cli_output_round_trips():

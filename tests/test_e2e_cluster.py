@@ -7,7 +7,7 @@ import requests
 
 from tests.conftest import (AUTOSCALE, CARDS_PER_NODE, FAULTY_QWEN3, MINILM, NODES, TINY_QWEN3,
                             ZERO)
-from tests.support.live_cluster import alive_actors
+from tests.support.live_cluster import actors_of_class, alive_actors
 
 pytestmark = pytest.mark.cluster
 
@@ -68,3 +68,15 @@ def test_replicas_spread_one_per_card_across_both_nodes(cluster):
         assert where.get(replica_id.rsplit("#", 1)[-1]) == node, (replica_id, where)
 
 
+
+
+def test_one_haproxy_for_the_machine(cluster):
+    """Both local nodes share this machine's ports, so Serve's HAProxy runs on the head only
+    (router.proxy_location resolves HeadOnly). With EveryNode, the second node's HAProxy could
+    not bind :8000 beside the head's and Serve replaced its manager every few seconds: 22 dead
+    managers on local-node-1 within 2 minutes here, 314 restarts in one CI run."""
+    from embedfleet.cluster.local import local_node_name
+
+    managers, node_name = actors_of_class("HAProxyManager")
+    assert [(node_name.get(a.node_id), a.state) for a in managers] == [
+        (local_node_name(0), "ALIVE")], managers

@@ -45,6 +45,20 @@ def alive_actors() -> tuple[list[Any], dict[str, str]]:
     return actors, node_name
 
 
+def actors_of_class(class_name: str) -> tuple[list[Any], dict[str, str]]:
+    """(Every actor of ``class_name`` Ray has seen, in any state, {node id: node name})."""
+    import ray
+    from ray.util.state import list_actors
+
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    try:
+        node_name = {n["NodeID"]: n["NodeName"] for n in ray.nodes()}
+        actors = list_actors(filters=[("class_name", "=", class_name)], limit=10000, detail=True)
+    finally:
+        ray.shutdown()
+    return actors, node_name
+
+
 def ray_script(script: str, *args: str) -> str:
     """Run ``script`` as its own Ray driver (``python -c``, token auth) and return its stdout."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}

@@ -214,11 +214,20 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="deployments/options.py autoscaling_config"),
     T("serve/config.py", "ProxyLocation", ("EveryNode", "HeadOnly"),
       used_by="deployments/config.py router.proxy_location -> cluster/render.py"),
-    # EveryNode on a local multi-node cluster (every node on one machine): the proxies can all
-    # bind router.port only because Serve sets SO_REUSEPORT, on unless this variable says "0".
+    # EveryNode on a local multi-node cluster (every node on one machine): the Python proxies can
+    # all bind router.port only because Serve sets SO_REUSEPORT, on unless this variable says "0";
+    # HAProxy's is off unless it says "1" (then `-dR` disables it), so there EveryNode's second
+    # HAProxy cannot bind, and the config resolves HeadOnly (EmbedfleetConfig.proxy_location).
     T("serve/_private/proxy.py", "SOCKET_REUSE_PORT_ENABLED",
       contains=("'SERVE_SOCKET_REUSE_PORT_ENABLED'", "'1'"),
-      used_by="tests/configs/e2e-cpu.yaml proxy_location: EveryNode on 2 local nodes"),
+      used_by="deployments/config.py proxy_location: EveryNode allowed on local nodes with "
+              "http_ingress: serve_proxy"),
+    T("serve/_private/haproxy.py", "HAProxyConfig.enable_so_reuseport",
+      contains=("os.environ.get('SERVE_SOCKET_REUSE_PORT_ENABLED', '0') == '1'",),
+      used_by="deployments/config.py proxy_location: HeadOnly on local nodes with haproxy"),
+    T("serve/_private/haproxy.py", "",
+      contains=("if not self.cfg.enable_so_reuseport:", "args.append('-dR')"),
+      used_by="deployments/config.py proxy_location: HeadOnly on local nodes with haproxy"),
     T("serve/_private/http_util.py", "start_asgi_http_server", ("enable_so_reuseport",),
       used_by="the proxy binds router.port with SO_REUSEPORT"),
     # Serve calls the user class's check_health and __del__ (every embedfleet deployment has one

@@ -5,9 +5,10 @@
 
 Against a running cluster (``embedfleet up``), four ways in, alternated in every repeat:
 
-* ``http``: ``POST /v1/embeddings`` (client -> Serve proxy -> Router -> replica -> vLLM);
+* ``http``: ``POST /v1/embeddings`` (client -> ingress -> Router -> replica -> vLLM; the
+  ingress is HAProxy, or Serve's Python proxy with ``router.http_ingress: serve_proxy``);
 * ``router-handle``: ``Router.embed_batch`` through its Serve handle from this Ray driver, on the
-  interactive lane (driver -> Router -> replica -> vLLM): no HTTP, no proxy;
+  interactive lane (driver -> Router -> replica -> vLLM): no HTTP, no ingress;
 * ``replica-handle``: the model's engine deployment's ``embed`` through its Serve handle, by
   value over Serve's gRPC transport as the Router sends a small call (driver -> replica -> vLLM):
   no router either;
@@ -15,15 +16,15 @@ Against a running cluster (``embedfleet up``), four ways in, alternated in every
   Router's ``handle_transport: object_store``), so one run also prices the transport.
 
 Each hop's cost is the difference of two medians (p50 of each run, median over the repeats):
-``http - router-handle`` is HTTP and the proxy hop, ``router-handle - replica-handle`` the
+``http - router-handle`` is HTTP and the ingress hop, ``router-handle - replica-handle`` the
 router's own work and its handle call; ``replica-handle`` is the replica and its engine (compare
 the bench's bare ``AsyncLLM`` on the router-overhead workload). Wall time is measured by the
 client, not read from Ray's histograms: Ray 2.60 exports a histogram's ``_sum`` from bucket
 midpoints (``open_telemetry_metric_recorder``), too coarse for milliseconds.
 
-CPU is measured per process group of the cluster (``ray_cluster_scope``: Serve proxy, Router,
-the replica with its engine core and workers, Ray's daemons, Prometheus) and this client, as
-CPU-milliseconds per request: on two cores, CPU spent anywhere is latency everywhere.
+CPU is measured per process group of the cluster (``ray_cluster_scope``: HAProxy or Serve
+proxy, Router, the replica with its engine core and workers, Ray's daemons, Prometheus) and this
+client, as CPU-milliseconds per request: on two cores, CPU spent anywhere is latency everywhere.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from urllib.parse import urlparse
 
 VARIANTS = ("http", "router-handle", "replica-handle", "replica-object-store")
 # (hop, the variant that includes it, the variant that does not); None: nothing below it measured
-HOPS = (("HTTP + Serve proxy", "http", "router-handle"),
+HOPS = (("HTTP + ingress", "http", "router-handle"),
         ("Router (its work + its handle call)", "router-handle", "replica-handle"),
         ("replica + vLLM engine", "replica-handle", None))
 # Not a hop of the online path: what the object store costs instead of gRPC on the same call.

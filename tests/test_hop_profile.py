@@ -29,10 +29,10 @@ def test_hops_are_differences_of_the_medians_over_repeats():
     assert s["variants"]["router-handle"]["p50_ms"] == 31
     assert s["variants"]["replica-handle"]["p50_ms"] == 12
     hops = {h["hop"]: h["p50_ms"] for h in s["hops"]}
-    assert hops == {"HTTP + Serve proxy": 19, "Router (its work + its handle call)": 19,
+    assert hops == {"HTTP + ingress": 19, "Router (its work + its handle call)": 19,
                     "replica + vLLM engine": 12}
     assert sum(hops.values()) == s["variants"]["http"]["p50_ms"]
-    assert "| HTTP + Serve proxy | 19.0 |" in table(s)
+    assert "| HTTP + ingress | 19.0 |" in table(s)
     # the transport is priced on the replica's handle, apart from the hops: 15.5 - 12
     assert s["transport"]["p50_ms"] == 3.5 and s["transport"]["cpu_ms_per_request"] is None
     assert "object store instead of gRPC (replica's handle): +3.5 ms p50" in table(s)

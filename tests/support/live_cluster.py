@@ -31,32 +31,30 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.5):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last}")
 
 
-def alive_actors() -> tuple[list[Any], dict[str, str]]:
-    """(Ray's ALIVE actors with detail, {node id: node name}) from a short-lived driver."""
+def _actors(filters: list[tuple[str, str, str]]) -> tuple[list[Any], dict[str, str]]:
+    """(Ray's actors matching ``filters``, with detail, {node id: node name} of the nodes alive)
+    from a short-lived driver."""
     import ray
     from ray.util.state import list_actors
 
     ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
     try:
         node_name = {n["NodeID"]: n["NodeName"] for n in ray.nodes() if n["Alive"]}
-        actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10000, detail=True)
+        actors = list_actors(filters=filters, limit=10000, detail=True)
     finally:
         ray.shutdown()
     return actors, node_name
+
+
+def alive_actors() -> tuple[list[Any], dict[str, str]]:
+    """(Ray's ALIVE actors, {node id: node name} of the nodes alive)."""
+    return _actors([("state", "=", "ALIVE")])
 
 
 def actors_of_class(class_name: str) -> tuple[list[Any], dict[str, str]]:
-    """(Every actor of ``class_name`` Ray has seen, in any state, {node id: node name})."""
-    import ray
-    from ray.util.state import list_actors
-
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-    try:
-        node_name = {n["NodeID"]: n["NodeName"] for n in ray.nodes()}
-        actors = list_actors(filters=[("class_name", "=", class_name)], limit=10000, detail=True)
-    finally:
-        ray.shutdown()
-    return actors, node_name
+    """(Every actor of ``class_name`` Ray has seen, in any state, {node id: node name} of the
+    nodes alive)."""
+    return _actors([("class_name", "=", class_name)])
 
 
 def ray_script(script: str, *args: str) -> str:

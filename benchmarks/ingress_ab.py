@@ -2,11 +2,12 @@
 
 The setting lives in every Ray node's environment at ``ray start``, so one cluster cannot switch
 it: each run starts the default local cluster with one setting (``embedfleet up --detach
---config``), sends online traffic (one short text per request, ``--concurrency`` in flight,
-base64, as the bench's online workload) and stops it. The settings alternate, ``--repeats``
-times each. Each run reports texts/s, p50 and CPU-seconds per 1,000 texts of every process on
-the machine by title (the load driver, here ``python``, included), read from the process table
-before and after the timed requests.
+--config``), runs the bench's ``online`` workload on it (one short text per request,
+``--concurrency`` in flight, base64) and stops it. The settings alternate, ``--repeats`` times
+each. Each run is timed and metered by the bench's own parts (``load_driver.timed_run``,
+``peers.OpenAIHttpPeer``, ``process_cpu.CpuMeter``): texts/s, p50, and CPU-seconds per 1,000
+texts of the whole cluster (``ray_cluster_scope.RayCluster``: every Ray process, HAProxy,
+Prometheus) and, apart, of the load driver (this process).
 
     python -m embedfleet.benchmarks.ingress_ab --repeats 5 --out benchmarks/results/ingress-ab.json
 
@@ -18,23 +19,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
+import os
 import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from embedfleet.benchmarks.process_cpu import process_table
-
 MODES = ("serve_proxy", "haproxy")
 CLI = str(Path(sys.executable).with_name("embedfleet"))
-WORDS = ("the quick brown fox jumps over a lazy dog while searching for vector index query "
-         "results").split()
+SUMMARY_KEYS = ("texts_per_s", "p50_ms", "cpu_s_per_1k", "driver_cpu_s_per_1k")
 
 
 def ingress_config(mode: str, base: Path | None = None) -> dict[str, Any]:
@@ -47,47 +45,38 @@ def ingress_config(mode: str, base: Path | None = None) -> dict[str, Any]:
     return data
 
 
-def queries(n: int, seed: int = 1) -> list[str]:
-    rnd = random.Random(seed)
-    return [" ".join(rnd.choice(WORDS) for _ in range(rnd.randint(3, 20))) for _ in range(n)]
+def online_workload(requests: int, model_dir: Any, max_len: int) -> tuple[Any, int]:
+    """The bench's ``online`` workload with ``requests`` texts, and its token count."""
+    from transformers import AutoTokenizer
+
+    from embedfleet.benchmarks.workloads import FULL, build
+
+    w = build("online", replace(FULL, online=requests), max_len=max_len)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return w, sum(len(i) for i in tok(w.texts, add_special_tokens=True)["input_ids"])
 
 
-def cpu_by_title(before: dict, after: dict) -> Counter:
-    """CPU-s per process title between two process tables (new processes count in full)."""
-    out: Counter = Counter()
-    for pid, p in after.items():
-        b = before.get(pid)
-        same = b is not None and abs(b.create_time - p.create_time) < 1
-        out[p.title] += p.total_s - (b.total_s if same else 0.0)
-    return out
+async def online_run(port: int, model: str, workload: Any, tokens: int, repeat: int) -> dict:
+    """One timed, metered run of ``workload`` against the local cluster (just started)."""
+    from embedfleet.benchmarks.load_driver import timed_run, warm_up
+    from embedfleet.benchmarks.peers import OpenAIHttpPeer
+    from embedfleet.benchmarks.process_cpu import CpuMeter, OwnProcess
+    from embedfleet.benchmarks.ray_cluster_scope import RayCluster
+    from embedfleet.cluster.prometheus_server import PID_NAME
+    from embedfleet.deployments.settings import settings
 
-
-async def online_run(url: str, model: str, texts: list[str], concurrency: int) -> dict[str, Any]:
-    import httpx
-
-    body = {"model": model, "encoding_format": "base64"}
-    async with httpx.AsyncClient(base_url=url, timeout=120,
-                                 limits=httpx.Limits(max_connections=concurrency + 2)) as client:
-        for t in texts[:20]:  # warm-up: connections, the engine's first steps
-            (await client.post("/v1/embeddings", json={**body, "input": [t]})).raise_for_status()
-        todo, lat = list(texts), []
-
-        async def worker() -> None:
-            while todo:
-                t, t0 = todo.pop(), time.perf_counter()
-                r = await client.post("/v1/embeddings", json={**body, "input": [t]})
-                r.raise_for_status()
-                lat.append(time.perf_counter() - t0)
-
-        before, t0 = process_table(), time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds, after = time.perf_counter() - t0, process_table()
-    cpu = cpu_by_title(before, after)
-    per_1k = 1000 / len(texts)
-    return {"texts_per_s": round(len(texts) / seconds, 2),
-            "p50_ms": round(statistics.median(lat) * 1000, 1),
-            "cpu_s_per_1k": round(sum(cpu.values()) * per_1k, 2),
-            "cpu_by_title_s_per_1k": {k: round(v * per_1k, 2) for k, v in cpu.most_common(12)}}
+    peer = OpenAIHttpPeer("embedfleet", f"http://127.0.0.1:{port}", model, workload.concurrency)
+    meter = CpuMeter({"peer": RayCluster(port, settings().state_dir / "prometheus" / PID_NAME),
+                      "driver": OwnProcess(os.getpid(), "load driver (this process)")})
+    try:
+        await warm_up(peer, workload, 1, 20, workload.concurrency)
+        rec = await timed_run(peer, workload, repeat=repeat, tokens=tokens, batch=1,
+                              concurrency=workload.concurrency, cpu=meter)
+    finally:
+        await peer.close_client()
+    if rec["error"]:
+        raise RuntimeError(rec["error"])
+    return rec
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -97,41 +86,47 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [r for r in runs if r["mode"] == mode]
         if mine:
             out[mode] = {k: round(statistics.median(r[k] for r in mine), 2)
-                         for k in ("texts_per_s", "p50_ms", "cpu_s_per_1k")} | {"runs": len(mine)}
+                         for k in SUMMARY_KEYS if all(r.get(k) is not None for r in mine)
+                         } | {"runs": len(mine)}
     return out
 
 
+def build_report(command: list[str], workload: Any, runs: list[dict[str, Any]]) -> dict:
+    return {"command": command, "requests": len(workload.texts),
+            "workload": workload.description, "runs": runs, "summary": summarize(runs)}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from embedfleet.deployments.config import parse_config
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--requests", type=int, default=800)
-    p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/ingress-ab.json"))
     args = p.parse_args(argv)
     runs: list[dict[str, Any]] = []
-    texts = queries(args.requests)
     configs = {}  # written once per mode: every repeat of a mode starts the same cluster
     for mode in MODES:
         data = ingress_config(mode)
         configs[mode] = args.out.with_name(f"ingress-ab-{mode}.yaml")
         configs[mode].parent.mkdir(parents=True, exist_ok=True)
         configs[mode].write_text(yaml.safe_dump(data, sort_keys=False))
-    model = data["models"][0]["name"]
-    port = data["router"].get("port", 8000)  # the modes differ only in http_ingress
+    cfg = parse_config(data, "ingress_ab")  # the modes differ only in http_ingress
+    m = cfg.models[0]
+    workload, tokens = online_workload(args.requests, m.source.resolve(), m.max_model_len or 512)
     for repeat in range(args.repeats):
         for mode in MODES:
             subprocess.run([CLI, "up", "--detach", "--config", str(configs[mode])], check=True,
                            stdout=subprocess.DEVNULL)
             try:
                 time.sleep(10)  # let start-up's own work (canary, first scrapes) settle
-                r = asyncio.run(online_run(f"http://127.0.0.1:{port}", model, texts,
-                                           args.concurrency))
+                r = asyncio.run(online_run(cfg.router.port, m.name, workload, tokens, repeat))
             finally:
                 subprocess.run([CLI, "down"], check=False, stdout=subprocess.DEVNULL)
-            runs.append({"mode": mode, "repeat": repeat, **r})
-            print(json.dumps(runs[-1]), flush=True)
-    report = {"command": sys.argv, "requests": args.requests, "concurrency": args.concurrency,
-              "runs": runs, "summary": summarize(runs)}
+            runs.append({"mode": mode, **r})
+            print(json.dumps({k: runs[-1].get(k) for k in ("mode", "repeat", *SUMMARY_KEYS)}),
+                  flush=True)
+    report = build_report(sys.argv, workload, runs)
     args.out.write_text(json.dumps(report, indent=1))
     print(json.dumps(report["summary"], indent=1))
     return 0

@@ -5,12 +5,6 @@ from __future__ import annotations
 import pytest
 
 from embedfleet.benchmarks import ingress_ab
-from embedfleet.benchmarks.process_cpu import Proc
-
-
-def _p(pid: int, title: str, cpu: float, created: float = 100.0) -> Proc:
-    return Proc(pid=pid, ppid=1, create_time=created, title=title, cmdline=(title,),
-                own_s=cpu, reaped_s=0.0)
 
 
 def test_each_run_gets_the_bundled_config_with_its_ingress():
@@ -22,18 +16,30 @@ def test_each_run_gets_the_bundled_config_with_its_ingress():
         ingress_ab.ingress_config("nginx")
 
 
-def test_cpu_is_the_delta_per_title_and_a_reused_pid_counts_in_full():
-    before = {1: _p(1, "ray::ProxyActor", 5.0), 2: _p(2, "haproxy", 1.0)}
-    after = {1: _p(1, "ray::ProxyActor", 7.5), 2: _p(2, "haproxy", 0.5, created=200.0),
-             3: _p(3, "VLLM::Worker", 4.0)}
-    assert ingress_ab.cpu_by_title(before, after) == {"ray::ProxyActor": 2.5, "haproxy": 0.5,
-                                                      "VLLM::Worker": 4.0}
+def test_each_run_is_the_benchs_online_workload_counted_by_the_models_tokenizer():
+    from embedfleet.deployments.config import load_config
+
+    m = load_config().models[0]
+    w, tokens = ingress_ab.online_workload(40, m.source.resolve(), m.max_model_len)
+    assert w.name == "online" and len(w.texts) == 40 and w.batch == 1 and w.concurrency == 16
+    # 3-20 words a query, plus [CLS] and [SEP]: the tokenizer counted every text
+    assert 40 * 5 <= tokens <= 40 * 40
+    runs = [{"mode": "haproxy", "texts_per_s": 9.0, "p50_ms": 1.0, "cpu_s_per_1k": 2.0,
+             "driver_cpu_s_per_1k": None}]
+    report = ingress_ab.build_report(["ingress_ab"], w, runs)
+    assert report["requests"] == 40 and "1 per request, 16 in flight" in report["workload"]
+    assert report["summary"]["haproxy"]["texts_per_s"] == 9.0
 
 
 def test_summary_is_the_median_per_mode():
-    runs = [{"mode": m, "texts_per_s": t, "p50_ms": 1.0, "cpu_s_per_1k": c}
-            for m, t, c in [("haproxy", 90, 20), ("serve_proxy", 60, 33), ("haproxy", 100, 21),
-                            ("serve_proxy", 50, 30), ("haproxy", 95, 19)]]
+    runs = [{"mode": m, "texts_per_s": t, "p50_ms": 1.0, "cpu_s_per_1k": c,
+             "driver_cpu_s_per_1k": d}
+            for m, t, c, d in [("haproxy", 90, 20, 3), ("serve_proxy", 60, 33, None),
+                               ("haproxy", 100, 21, 4), ("serve_proxy", 50, 30, 2),
+                               ("haproxy", 95, 19, 5)]]
     s = ingress_ab.summarize(runs)
-    assert s["haproxy"] == {"texts_per_s": 95, "p50_ms": 1.0, "cpu_s_per_1k": 20, "runs": 3}
-    assert s["serve_proxy"]["texts_per_s"] == 55 and s["serve_proxy"]["runs"] == 2
+    assert s["haproxy"] == {"texts_per_s": 95, "p50_ms": 1.0, "cpu_s_per_1k": 20,
+                            "driver_cpu_s_per_1k": 4, "runs": 3}
+    # a figure some run could not measure is left out of the median, not counted as 0
+    assert s["serve_proxy"] == {"texts_per_s": 55, "p50_ms": 1.0, "cpu_s_per_1k": 31.5,
+                                "runs": 2}

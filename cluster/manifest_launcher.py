@@ -8,6 +8,7 @@ cards as Ray's ``NPU`` resource. ``manifests.render_cluster_launcher`` turns it 
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from embedfleet.cluster.manifest_spec import (ASCEND_DRIVER_MOUNTS, ASCEND_ENV,
@@ -38,7 +39,7 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
     devices += [f"--device={d}" for d in ASCEND_MANAGEMENT_DEVICES]
     driver = [f"-v {p}:{p}:ro" for p in ASCEND_DRIVER_MOUNTS]
     source_cann = " && ".join(f"source {s}" for s in spec.cann_set_env)
-    node_env = "".join(f"{k}={v} " for k, v in ray_node_env(cfg).items())
+    node_env = "".join(f"{k}={shlex.quote(v)} " for k, v in ray_node_env(cfg).items())
     return {
         "cluster_name": spec.cluster_name or cfg.app_name,
         # Manually managed on-premises nodes: Ray keeps every listed worker in the cluster. The
@@ -67,7 +68,7 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
         "head_start_ray_commands": [
             "ray stop",
             # Serve's controller reads these from the head's environment (options.ray_head_env).
-            " ".join(f"{k}={v}" for k, v in ray_head_env(cfg).items())
+            " ".join(f"{k}={shlex.quote(v)}" for k, v in ray_head_env(cfg).items())
             + f" ray start --head --port={HEAD_PORT} --dashboard-host=0.0.0.0 "
             f"--metrics-export-port={METRICS_PORT} --resources='{resources_json(cfg, 0)}' "
             "--autoscaling-config=~/ray_bootstrap_config.yaml",

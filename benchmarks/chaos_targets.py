@@ -15,13 +15,15 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Literal, get_args
 
-from embedfleet.deployments.options import GOVERNOR_NAME, REGISTRY_NAME, engine_deployment_name
+from embedfleet.deployments.options import (GOVERNOR_NAME, REGISTRY_NAME, ROUTER_NAME,
+                                            engine_deployment_name)
 
-# The order is the soak's: --soak's ten minutes hold nine faults, one of each kind; the three kinds
-# of the first recorded soak come first, and engine faults alternate with control-plane ones so
-# each window shows one kind of trouble.
+# The order is the soak's: --soak's eleven minutes hold ten faults, one of each kind; the three
+# kinds of the first recorded soak come first, and engine faults alternate with control-plane
+# ones so each window shows one kind of trouble.
 FaultKind = Literal["kill-replica", "kill-engine", "stop-prometheus", "kill-proxy", "pause-engine",
-                    "kill-governor", "flood-kill", "kill-controller", "kill-registry"]
+                    "kill-governor", "flood-kill", "kill-controller", "kill-registry",
+                    "kill-router"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 ENGINE_PREFIX = engine_deployment_name("")
@@ -54,6 +56,8 @@ TARGETS: dict[str, Target] = {  # every kind but stop-prometheus, which is no Ra
     "kill-controller": Target("Serve controller", "ServeController", ray_restarts=True),
     "kill-governor": Target("governor replica", _replica(GOVERNOR_NAME)),
     "kill-registry": Target("registry replica", _replica(REGISTRY_NAME)),
+    # With HAProxy ingress, what it held is replayed on another Router (options.HAPROXY_REPLAY_ENV)
+    "kill-router": Target("Router replica", _replica(ROUTER_NAME)),
 }
 
 

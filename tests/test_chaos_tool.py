@@ -65,10 +65,10 @@ def test_schedule_takes_kinds_in_turn_after_a_warm_up_period():
                                                    (60, "stop-prometheus")]
 
 
-def test_soak_schedule_is_a_fault_every_minute_for_ten_minutes_each_kind_once():
-    plan = chaos.fault_schedule(600, 60, chaos.FAULT_KINDS)
-    assert [t for t, _ in plan] == [60 * i for i in range(1, 10)]
-    assert [k for _, k in plan] == list(chaos.FAULT_KINDS)  # nine kinds, nine slots
+def test_soak_schedule_is_a_fault_every_minute_for_eleven_minutes_each_kind_once():
+    plan = chaos.fault_schedule(660, 60, chaos.FAULT_KINDS)
+    assert [t for t, _ in plan] == [60 * i for i in range(1, 11)]
+    assert [k for _, k in plan] == list(chaos.FAULT_KINDS)  # ten kinds, ten slots
 
 
 def test_longer_soaks_cycle_through_the_kinds_in_order():
@@ -78,7 +78,7 @@ def test_longer_soaks_cycle_through_the_kinds_in_order():
 
 def test_every_issue_fault_kind_exists_and_every_kind_but_prometheus_has_a_target():
     assert {"kill-proxy", "kill-controller", "kill-governor", "kill-registry", "pause-engine",
-            "flood-kill", "kill-replica", "kill-engine", "stop-prometheus"} == set(
+            "flood-kill", "kill-replica", "kill-engine", "stop-prometheus", "kill-router"} == set(
         chaos.FAULT_KINDS)
     assert set(chaos.TARGETS) == set(chaos.FAULT_KINDS) - {"stop-prometheus"}
     assert chaos.parse_faults(",".join(chaos.FAULT_KINDS)) == chaos.FAULT_KINDS
@@ -143,7 +143,7 @@ def test_defaults_are_load_only():
 
 def test_soak_preset_and_flags_override_it():
     soak = chaos.resolve_options(_args(soak=True))
-    assert soak["duration"] == 600 and soak["fault_every"] == 60
+    assert soak["duration"] == 660 and soak["fault_every"] == 60
     assert soak["faults"] == list(chaos.FAULT_KINDS)
     plan = chaos.fault_schedule(soak["duration"], soak["fault_every"], soak["faults"])
     assert {k for _, k in plan} == set(chaos.FAULT_KINDS)
@@ -583,12 +583,12 @@ def test_faults_run_in_turn_and_a_stopped_prometheus_is_restarted_at_the_end():
 
 
 def test_all_kinds_reach_the_cluster_and_what_is_undone_is_undone_at_the_end():
-    cluster, (_, log, _) = _drive(calls=9, duration=2.0)
+    cluster, (_, log, _) = _drive(calls=10, duration=2.2)
     assert [e["kind"] for e in log if e["kind"] in chaos.FAULT_KINDS] == list(chaos.FAULT_KINDS)
-    assert cluster.calls[:9] == ["kill-replica", "stop", "kill-proxy", "pause 30.0",
-                                 "kill-governor", "flood m 324", "flood-kill:11",
-                                 "kill-controller", "kill-registry"]
-    assert sorted(cluster.calls[9:]) == ["resume [41, 42]", "start"]  # 30 s timers cut short
+    assert cluster.calls[:10] == ["kill-replica", "stop", "kill-proxy", "pause 30.0",
+                                  "kill-governor", "flood m 324", "flood-kill:11",
+                                  "kill-controller", "kill-registry", "kill-router"]
+    assert sorted(cluster.calls[10:]) == ["resume [41, 42]", "start"]  # 30 s timers cut short
     assert cluster.paused == [] and not cluster.prometheus_stopped
 
 

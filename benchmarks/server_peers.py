@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from embedfleet.benchmarks.peers import OpenAIHttpPeer, PeerUnavailable, cpu_env, port_in_use
+from embedfleet.deployments.engine.vllm_api import engine_process_env
 
 ROOT = Path(__file__).resolve().parent.parent
 INFINITY_VENV = ROOT / ".venv-infinity"
@@ -162,7 +163,9 @@ class VllmServePeer(ServerPeer):
                          engine_kwargs["served_model_name"], concurrency)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                *serve_flags(engine_kwargs), "--host", "127.0.0.1", "--port", str(port)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", **(cpu_env(cores) if cores else {})}
+        # the same engine as the other peers: what the engine arguments need of the environment
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **engine_process_env(engine_kwargs),
+               **(cpu_env(cores) if cores else {})}
         self.server = ServerProcess("vllm-serve", cmd, env, log_dir / "vllm-serve.log", port)
 
 

@@ -223,6 +223,19 @@ def test_serve_flags_parse_back_to_the_same_engine_args(cfg):
             assert got == want, f"{key}: engine_kwargs {want!r}, vllm serve would use {got!r}"
 
 
+def test_vllm_serve_gets_what_the_engine_arguments_need_of_its_environment(cfg, tmp_path,
+                                                                           monkeypatch):
+    """`--distributed-executor-backend uni` alone would be turned back into `mp` by vLLM's CPU
+    platform (vllm_api.engine_process_env): the server runs the engine the other peers run."""
+    from embedfleet.benchmarks.server_peers import VllmServePeer
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    kw = cfg.engine_kwargs(cfg.models[0], enable_prefix_caching=False)
+    peer = VllmServePeer(kw, 16, tmp_path, None)
+    assert "--distributed-executor-backend" in peer.server.cmd
+    assert peer.server.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
 # -- the embedfleet peer: config, request, response ------------------------------------------
 def test_bench_config_is_one_model_one_card_one_replica(cfg, tmp_path):
     c = bench_config(load_config(None), "http://127.0.0.1:8123")

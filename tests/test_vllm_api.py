@@ -173,3 +173,30 @@ def test_touch_point_module_imports_are_listed():
     listed.add("vllm")
     used = set(_vllm_imports(Path(vllm_api.__file__)))
     assert used <= listed, sorted(used - listed)
+
+
+def test_the_cpu_platform_keeps_uni_only_when_v1_multiprocessing_is_off(source):
+    """``engine_kwargs`` asks for the ``uni`` executor on CPU and ``start_engine`` sets the one
+    variable vLLM's CPU platform checks before it keeps it; AsyncLLM's engine core stays a
+    process of its own whatever that variable says. Read from both releases' sources."""
+    cpu = _tree(source / "platforms" / "cpu.py")
+    gates = [n for n in ast.walk(cpu) if isinstance(n, ast.If)
+             and "VLLM_ENABLE_V1_MULTIPROCESSING" in ast.unparse(n.test)
+             and "distributed_executor_backend == 'uni'" in ast.unparse(n.test)]
+    assert len(gates) == 1, "the CPU platform's uni -> mp override moved or changed"
+    assert "os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING', '1') == '1'" in ast.unparse(
+        gates[0].test)
+    assert "distributed_executor_backend = 'mp'" in ast.unparse(gates[0].body)
+    init = next(n for n in ast.walk(_class(_tree(source / "v1/engine/async_llm.py"), "AsyncLLM"))
+                if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert "EngineCoreClient.make_async_mp_client(" in ast.unparse(init)
+    assert "make_inproc" not in ast.unparse(init) and "InprocClient" not in ast.unparse(init)
+
+
+def test_cpu_engines_run_their_worker_in_the_engine_core_and_others_keep_vllms_choice():
+    cfg = load_config(None)
+    assert cfg.engine_kwargs(cfg.models[0], enable_prefix_caching=False)[
+        "distributed_executor_backend"] == "uni"
+    ascend = load_config(CONFIG_DIR / "ascend-910b-qwen3-embedding-8b.yaml")
+    assert "distributed_executor_backend" not in ascend.engine_kwargs(
+        ascend.models[0], enable_prefix_caching=False)

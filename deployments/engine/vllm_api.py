@@ -14,6 +14,7 @@ vLLM name lives beside it: the KV usage window the stat logger feeds is ``kv_usa
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -144,12 +145,24 @@ WORKER_EXTENSION = "embedfleet.deployments.engine.vllm_api.MemoryProbeExtension"
 PROBE_METHOD = "embedfleet_memory_probe"
 
 
+def engine_process_env(engine_kwargs: dict[str, Any]) -> dict[str, str]:
+    """What the environment of a process that starts an engine with ``engine_kwargs`` needs
+    (``start_engine`` sets it; the bench's `vllm serve` peer gets it too). The ``uni`` executor:
+    vLLM's CPU platform turns it into ``mp`` unless VLLM_ENABLE_V1_MULTIPROCESSING is "0"
+    (platforms/cpu.py). That moves nothing else into the process: AsyncLLM's engine core always
+    runs in a process of its own (make_async_mp_client); only the sync LLMEngine reads it."""
+    if engine_kwargs.get("distributed_executor_backend") == "uni":
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return {}
+
+
 def start_engine(engine_kwargs: dict[str, Any], tracker: KvUsageTracker | None) -> Any:
     """An ``AsyncLLM`` in pooling mode, with embedfleet's stat loggers and memory probe; with
     ``tracker=None`` a bare one (vLLM's own loggers only: the bench's engine-limit peer)."""
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    os.environ.update(engine_process_env(engine_kwargs))
     if tracker is None:
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
     args = AsyncEngineArgs(**engine_kwargs, worker_extension_cls=WORKER_EXTENSION)
@@ -314,7 +327,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                 "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching",
                 "kv_cache_dtype", "served_model_name", "max_model_len",
                 "gpu_memory_utilization", "kv_cache_memory_bytes", "worker_extension_cls",
-                "disable_log_stats", "scheduling_policy")),
+                "disable_log_stats", "scheduling_policy", "distributed_executor_backend")),
     TouchPoint("v1/engine/async_llm.py", "AsyncLLM.from_engine_args",
                ("engine_args", "stat_loggers")),
     TouchPoint("v1/engine/async_llm.py", "AsyncLLM.encode", ("prompt", "pooling_params",

@@ -7,7 +7,7 @@ import requests
 
 from tests.conftest import (AUTOSCALE, CARDS_PER_NODE, FAULTY_QWEN3, MINILM, NODES, TINY_QWEN3,
                             ZERO)
-from tests.support.live_cluster import actors_of_class, alive_actors
+from tests.support.live_cluster import actors_of_class, alive_actors, engine_core_of
 
 pytestmark = pytest.mark.cluster
 
@@ -80,3 +80,19 @@ def test_one_haproxy_for_the_machine(cluster):
     managers, node_name = actors_of_class("HAProxyManager")
     assert [(node_name.get(a.node_id), a.state) for a in managers] == [
         (local_node_name(0), "ALIVE")], managers
+
+
+def test_a_cpu_engine_runs_its_worker_in_its_engine_core_on_its_cards_cores(cluster_status):
+    """vLLM's worker runs inside the engine-core process (the `uni` executor: no third process
+    spinning on a shared-memory queue), with one OpenMP thread per core of its card, not the one
+    Ray gives an actor that reserves no CPU (deployments/engine/platform.py)."""
+    from embedfleet.deployments.engine.platform import bound_cores
+
+    st = {m["model"]: m for m in cluster_status()["models"]}
+    for card in st[MINILM]["cards"]:
+        core = engine_core_of(card["pid"])
+        workers = [c for c in core.children(recursive=True) if c.status() != "zombie"]
+        assert workers == [], [c.cmdline() for c in workers]
+        env = core.environ()
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert env["OMP_NUM_THREADS"] == str(bound_cores(env["VLLM_CPU_OMP_THREADS_BIND"]))

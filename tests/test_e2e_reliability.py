@@ -11,12 +11,12 @@ import sys
 import threading
 import time
 
-import psutil
 import pytest
 import requests
 
 from tests.conftest import AUTOSCALE, FAULTY_QWEN3, MINILM, ROOT, ZERO
-from tests.support.live_cluster import COLD_START_BOUND_S, alive_actors, ray_script
+from tests.support.live_cluster import (COLD_START_BOUND_S, alive_actors, engine_core_of,
+                                        ray_script)
 
 pytestmark = pytest.mark.cluster
 
@@ -170,18 +170,6 @@ def test_killing_one_of_two_routers_under_load_loses_no_request(cluster):
             f.result()
     assert len(results) == 300
     assert set(results) == {"200"}, {c: results.count(c) for c in set(results)}
-
-
-def engine_core_of(pid: int) -> psutil.Process:
-    for child in psutil.Process(pid).children(recursive=True):
-        try:  # the engine replaced after a canary failure can linger as a zombie: skip it
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
-                return child
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    raise AssertionError(f"no vLLM EngineCore process under replica pid {pid}")
 
 
 def test_killing_the_engine_process_gives_503_or_success_never_500_or_hang(cluster,

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -64,3 +66,15 @@ def ray_script(script: str, *args: str) -> str:
                           text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip()
+
+
+def engine_core_of(pid: int) -> psutil.Process:
+    for child in psutil.Process(pid).children(recursive=True):
+        try:  # the engine replaced after a canary failure can linger as a zombie: skip it
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+                return child
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    raise AssertionError(f"no vLLM EngineCore process under replica pid {pid}")

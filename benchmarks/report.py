@@ -53,12 +53,12 @@ class Goal:
     reference: str = BASELINE
 
 
-# Targets: the router overhead's 3 ms is the issue's; the ratios follow the README's goals
-# (embedfleet >= 0.95 of bare vLLM, >= 1.1 of `vllm serve`). One place to change them.
+# Targets: issue 13's (online >= 1.1x `vllm serve` and >= 0.6x bare vLLM; 32 texts per request
+# >= 0.95x bare vLLM; router overhead <= 3 ms). One place to change them.
 GOALS = (
     Goal("online: embedfleet / vllm serve, texts/s", "online", "texts_per_s_ratio", ">=", 1.1,
          texts_per_request=1, concurrency=16, reference="vllm-serve"),
-    Goal("online: embedfleet / bare vLLM, texts/s", "online", "texts_per_s_ratio", ">=", 0.95,
+    Goal("online: embedfleet / bare vLLM, texts/s", "online", "texts_per_s_ratio", ">=", 0.6,
          texts_per_request=1, concurrency=16),
     Goal("short, 32 texts/request: embedfleet / bare vLLM, texts/s", "short",
          "texts_per_s_ratio", ">=", 0.95, texts_per_request=32),

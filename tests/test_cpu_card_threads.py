@@ -1,4 +1,5 @@
-"""A CPU "card" gets its cores and one OpenMP thread per core (deployments/engine/platform.py).
+"""A CPU "card" gets its cores and one OpenMP thread per core, idle threads sleeping
+(deployments/engine/platform.py).
 
 Ray sets OMP_NUM_THREADS to an actor's num_cpus before the replica's code runs: 1 for the engine
 replica, which reserves no Ray CPU. The engine core inherits the replica's environment, so
@@ -19,6 +20,7 @@ def ray_worker_env(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
 
 
@@ -26,12 +28,14 @@ def test_each_card_gets_its_cores_and_a_thread_per_core(ray_worker_env):
     assert platform.prepare_cpu_process("1", cards_on_node=2) == "2,3"
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
     assert os.environ["OMP_NUM_THREADS"] == "2"  # not Ray's 1
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # idle threads sleep, not spin
 
 
 def test_an_operators_binding_wins_and_sets_the_thread_count(ray_worker_env, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-2")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert platform.prepare_cpu_process("0", cards_on_node=1) == "0-2"
-    assert os.environ["OMP_NUM_THREADS"] == "3"
+    assert os.environ["OMP_NUM_THREADS"] == "3" and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # vLLM picks: every core we have
     platform.prepare_cpu_process("0", cards_on_node=1)
     assert os.environ["OMP_NUM_THREADS"] == "4"

@@ -113,7 +113,13 @@ def prepare_cpu_process(device: str, cards_on_node: int) -> str:
     Also one OpenMP thread per core of the card: Ray sets OMP_NUM_THREADS to an actor's
     num_cpus, 1 for the engine replica (it reserves no Ray CPU, see options.card_actor_options),
     and the engine core inherits it, so torch ran every forward pass on one thread (32 short
-    MiniLM texts: 215 ms at the replica against 111 ms for the same engine outside Ray)."""
+    MiniLM texts: 215 ms at the replica against 111 ms for the same engine outside Ray). And
+    idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE) rather than spin: between one-text steps
+    a spinning thread took the core the router and the replica needed. Two rounds of `embedfleet
+    bench --peers embedfleet --workloads online,short --repeats 3` per setting, alternated, on a
+    2-core card: 1 thread 360-364 texts/s on 32-text calls and 138-150 online (10.3-11.4 CPU-s
+    per 1,000 texts); 2 spinning 404-417 and 114-115 (15.8-16.0); 2 sleeping 425-441 and
+    122-144 (11.1-13.2)."""
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # an operator's explicit choice wins
         binding = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
     else:
@@ -122,6 +128,7 @@ def prepare_cpu_process(device: str, cards_on_node: int) -> str:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ["OMP_NUM_THREADS"] = str(bound_cores(binding) or len(os.sched_getaffinity(0)))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # an operator's choice wins
     return binding
 
 

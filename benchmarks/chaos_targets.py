@@ -80,7 +80,12 @@ def find_targets(kind: str, actors: Iterable[Any], app: str | None = None) -> li
 
 def pick_target(kind: str, actors: Iterable[Any], rng: random.Random,
                 app: str | None = None) -> dict[str, Any]:
+    actors = list(actors)
     hits = find_targets(kind, actors, app)
+    if not hits and kind == "kill-router":
+        # a one-model app's engine replicas take HTTP themselves (router.ingress): they are
+        # its ingress, and HAProxy replays what a killed one held as it would a Router's
+        hits = find_targets("kill-replica", actors, app)
     if not hits:
         raise RuntimeError(f"no alive {TARGETS[kind].what} found")
     return rng.choice(hits)

@@ -148,11 +148,13 @@ class Ways:
         import httpx
         from ray import serve
 
-        from embedfleet.deployments.options import ROUTER_NAME, engine_deployment_name
+        from embedfleet.deployments.options import engine_deployment_name
 
         self.model = model
         self._http = httpx.Client(base_url=url, timeout=60)
-        self._router = serve.get_deployment_handle(ROUTER_NAME, app)
+        # the app's ingress: its Router, or (router.ingress: engine) the engine replicas
+        # themselves, whose embed_batch then runs the pipeline in the replica
+        self._router = serve.get_app_handle(app)
         self._object_store = serve.get_deployment_handle(engine_deployment_name(model), app)
         self._replica = self._object_store.options(_by_reference=False)
 

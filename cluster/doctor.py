@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from embedfleet.deployments.engine import ascend_checks, ascend_release
-from embedfleet.deployments.config import (ConfigError, EmbedfleetConfig, ModelConfig, parse_config,
-                                signal_floor_problems)
+from embedfleet.deployments.config import ConfigError, EmbedfleetConfig, ModelConfig, parse_config
+from embedfleet.deployments.engine.card_memory import signal_floor_problems
 from embedfleet.deployments.engine.vllm_api import stack_versions
 
 CPU_IMPORT_BREAKERS = ("torchvision", "torchaudio", "torchcodec")

@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 
-from embedfleet.deployments.options import ROUTER_NAME
 
 PART_GLOB = "part-*.parquet"
 MIXED = "mixed"  # the calls of one block were answered by replicas of different fingerprints
@@ -126,7 +125,8 @@ class BatchEmbedder:
 
         self.settings = settings
         self.done = ray.get(done_ref) if done_ref is not None else frozenset()
-        self.router = serve.get_deployment_handle(ROUTER_NAME, settings.app)
+        # the app's ingress: the Router, or a one-model app's engine replicas (router.ingress)
+        self.router = serve.get_app_handle(settings.app)
         self.pool = cf.ThreadPoolExecutor(settings.inflight)
 
     def _call(self, texts: list[str], prompt: str | None, ids: list[Any]) -> Any:

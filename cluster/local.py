@@ -224,7 +224,7 @@ def wait_ready(endpoint: str, timeout_s: float, progress=print) -> dict[str, Any
         code, body = http_json(f"{endpoint}/ready")
         if code == 200:
             return body
-        msg = json.dumps(body.get("models")) if isinstance(body, dict) else "router not up"
+        msg = json.dumps(body.get("models")) if isinstance(body, dict) else "HTTP ingress not up"
         now = time.monotonic()
         if msg != last or now - said_at >= REPEAT_S:
             progress(f"waiting for replicas ({now - t0:.0f}s of {timeout_s:.0f}s): {msg}")

@@ -19,8 +19,9 @@ IMPORT_PATH = "embedfleet.deployments.app:build_app"
 
 
 def serve_config(cfg: EmbedfleetConfig) -> dict[str, Any]:
-    deployments = [router_deployment_options(cfg), registry_deployment_options(cfg),
-                   governor_deployment_options(cfg)]
+    # a one-model app whose engine replicas take HTTP has no Router (router.ingress)
+    router = [] if cfg.direct_ingress else [router_deployment_options(cfg)]
+    deployments = [*router, registry_deployment_options(cfg), governor_deployment_options(cfg)]
     deployments += [engine_deployment_options(cfg, m) for m in cfg.models]
     return {
         "proxy_location": cfg.proxy_location,

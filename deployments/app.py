@@ -23,6 +23,7 @@ from embedfleet.deployments.options import (
 from embedfleet.deployments.control.registry import FleetRegistry
 from embedfleet.deployments.engine.lifecycle import DEFAULT_ENGINE_FACTORY
 from embedfleet.deployments.replica import EngineReplica
+from embedfleet.deployments.api.direct import direct_deployment
 from embedfleet.deployments.api.router import router_deployment
 
 
@@ -37,6 +38,11 @@ def build(cfg: EmbedfleetConfig,
         **registry_deployment_options(cfg)).bind(data)
     governor = serve.deployment(MemoryGovernor).options(
         **governor_deployment_options(cfg)).bind(data)
+    if cfg.direct_ingress:  # the one model's replicas take HTTP themselves: no Router hop
+        m = cfg.models[0]
+        return serve.deployment(direct_deployment()).options(
+            **engine_deployment_options(cfg, m)).bind(
+                data, m.name, registry, factories.get(m.name, DEFAULT_ENGINE_FACTORY), governor)
     engines = {
         m.name: serve.deployment(EngineReplica).options(
             **engine_deployment_options(cfg, m)).bind(

@@ -22,7 +22,8 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativ
 Dtype = Literal["float32", "float16", "bfloat16"]
 
 from embedfleet.deployments.config_cluster import ClusterDeployConfig
-from embedfleet.deployments.config_router import RouterConfig
+from embedfleet.deployments.config_router import (RouterConfig, direct_ingress_refusal,
+                                                  uses_direct_ingress)
 from embedfleet.deployments.config_routing import RoutingConfig
 from embedfleet.deployments.contracts import Ceiling
 from embedfleet.deployments.model_source import ModelSource
@@ -270,7 +271,15 @@ class EmbedfleetConfig(_Strict):
                     f"{where}: engine.max_num_batched_tokens={m.engine.max_num_batched_tokens} "
                     f"< max_model_len={m.max_model_len}: a full-length input could never run"
                 )
+        why = direct_ingress_refusal(self.router, self.models)
+        if self.router.ingress == "engine" and why:
+            raise ValueError(f"router.ingress='engine' but {why}")
         return self
+
+    @property
+    def direct_ingress(self) -> bool:
+        """Whether the engine replicas take HTTP themselves (``router.ingress``, resolved)."""
+        return uses_direct_ingress(self.router, self.models)
 
     @property
     def _one_machine_haproxy(self) -> bool:
@@ -366,41 +375,13 @@ def load_config(path: str | Path | None = None) -> EmbedfleetConfig:
     except yaml.YAMLError as err:
         raise ConfigError(f"config {p} is not valid YAML: {err}") from None
     cfg = parse_config(data, str(p))
+    from embedfleet.deployments.engine.card_memory import signal_floor_problems
+
     problems = signal_floor_problems(cfg)
     if problems:
         raise ConfigError(f"invalid embedfleet config {p}:\n" + "\n".join(
             f"  {x}" for x in problems))
     return cfg
-
-
-def signal_floor_problems(cfg: EmbedfleetConfig) -> list[str]:
-    """Models whose card's live memory ratio could not fall below ``governor.params.high`` at
-    idle: a governor would hold them at their floor forever (``card_memory.idle_floor``)."""
-    from embedfleet.deployments.engine.card_memory import idle_floor
-    from embedfleet.deployments.request_path.fingerprint import weights_bytes
-
-    high = cfg.governor.params.high
-    out = []
-    for i, m in enumerate(cfg.models):
-        weights = weights_bytes(m.source)
-        if weights is None:
-            continue  # not on this machine: the replica checks its real idle reading at start
-        if cfg.platform.kind == "cpu":
-            total = cfg.platform.cpu_card_memory_bytes
-            pool = cfg.engine_kwargs_pool_bytes(m)
-        else:
-            total, pool = cfg.platform.card_memory_bytes, m.engine.kv_cache_memory_bytes
-            if total is None:
-                continue
-        floor = idle_floor(weights=weights, total=total, kv_pool=pool)
-        if floor >= high:
-            where = ("platform.cpu_card_memory_bytes" if cfg.platform.kind == "cpu"
-                     else "platform.card_memory_bytes")
-            out.append(f"models[{i}] ({m.name!r}): the live memory ratio cannot fall below "
-                       f"{floor:.3f} at idle (weights {weights} B, KV pool {pool or 0} B, "
-                       f"{where}={total}), not below governor.params.high={high}: the governor "
-                       "would hold this card's budget at its floor forever")
-    return out
 
 
 def config_to_data(cfg: EmbedfleetConfig) -> dict[str, Any]:

@@ -238,6 +238,14 @@ def test_dict_records_work_too_and_the_target_choice_is_seeded():
         chaos_targets.pick_target("kill-controller", ACTORS[:3], random.Random(0))
 
 
+def test_kill_router_hits_the_engine_replicas_of_an_app_without_a_router():
+    # ACTORS' Router (pid 13) is embedfleet's; other-app serves one model, engine-x taking HTTP
+    router = chaos_targets.pick_target("kill-router", ACTORS, random.Random(0), app="embedfleet")
+    assert router["pid"] == 13
+    ingress = chaos_targets.pick_target("kill-router", ACTORS, random.Random(0), app="other-app")
+    assert ingress["pid"] == 17
+
+
 def test_engine_replicas_and_their_models():
     assert [a["pid"] for a in chaos.engine_replicas(ACTORS)] == [11, 20, 17]
     assert chaos.model_of("ServeReplica:embedfleet:engine-all-minilm-l6-v2") == "all-minilm-l6-v2"

@@ -170,3 +170,45 @@ def test_render_cli_bad_config_exits_2_with_message(tmp_path):
     proc = subprocess.run([str(Path(sys.executable).with_name("embedfleet")), "render",
                            "--config", str(bad)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "cards" in proc.stderr and "-1" in proc.stderr
+
+
+# -- router.ingress: the Router, or a one-model app's engine replicas -------------------------
+ONE_PLAIN = {**MODEL, "routing": {"policy": "power_of_two"}}
+
+
+def deployment_names(c) -> list[str]:
+    return [d["name"] for d in serve_config(c)["applications"][0]["deployments"]]
+
+
+def test_auto_takes_the_router_hop_out_only_where_the_app_allows_it():
+    direct = parse_config({"models": [ONE_PLAIN]})
+    assert direct.direct_ingress
+    assert deployment_names(direct) == ["FleetRegistry", "MemoryGovernor", "engine-m"]
+    assert load_config().direct_ingress  # the bundled MiniLM: one model, no affinity
+    routed = {
+        "two models": {"models": [ONE_PLAIN, {**ONE_PLAIN, "name": "n"}]},
+        "scale to zero": {"models": [{**ONE_PLAIN, "replicas": {"min_replicas": 0}}]},
+        "prefix affinity": {"models": [dict(MODEL)]},  # routing auto, prefix_cache auto
+        "Serve's proxy": {"models": [ONE_PLAIN], "router": {"http_ingress": "serve_proxy"}},
+        "said so": {"models": [ONE_PLAIN], "router": {"ingress": "router"}},
+    }
+    for why, data in routed.items():
+        c = parse_config(data)
+        assert not c.direct_ingress, why
+        assert deployment_names(c)[0] == "Router", why
+    for name in ("ascend-910b-qwen3-embedding-8b.yaml", "cuda-qwen3-embedding-0.6b.yaml"):
+        assert not load_config(CONFIG_DIR / name).direct_ingress, name  # causal: affinity
+
+
+def test_engine_ingress_is_refused_at_load_where_it_would_drop_a_feature():
+    explicit = {"router": {"ingress": "engine"}}
+    assert parse_config({"models": [ONE_PLAIN], "router": {"ingress": "engine",
+                                                           "http_ingress": "serve_proxy"}}
+                        ).direct_ingress
+    for models, words in (
+            ([ONE_PLAIN, {**ONE_PLAIN, "name": "n"}], "serves 2 models"),
+            ([{**ONE_PLAIN, "replicas": {"min_replicas": 0}}], "min_replicas=0"),
+            ([dict(MODEL)], "prefix affinity")):
+        with pytest.raises(ConfigError) as err:
+            parse_config({"models": models, **explicit})
+        assert "router.ingress='engine'" in str(err.value) and words in str(err.value)

@@ -149,6 +149,19 @@ def doc():
     return app.openapi()
 
 
+def test_a_direct_engine_app_publishes_the_routers_document(doc):
+    """A one-model app whose engine replicas take HTTP (``api/direct.py``) mounts the same
+    routes, so its document is the Router's; the routes are bound to the engine class."""
+    from embedfleet.deployments.api.direct import direct_deployment
+    from embedfleet.deployments.replica import EngineReplica
+
+    app = new_api()
+    cls = direct_deployment(app)
+    assert app.openapi() == doc
+    assert issubclass(cls, EngineReplica) and cls.__name__ == "DirectEngine"
+    assert callable(cls.embed_batch) and callable(cls.embed)  # the corpus job's and own calls
+
+
 def resolve(doc, schema):
     while "$ref" in schema:
         schema = doc["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]

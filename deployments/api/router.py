@@ -21,7 +21,7 @@ from embedfleet.deployments.api import openapi
 from embedfleet.deployments.api.auth import ApiKeyMiddleware, load_api_keys, load_key_lanes
 from embedfleet.deployments.api.http import install_error_handlers
 from embedfleet.deployments.api.routes import ApiRoutes
-from embedfleet.deployments.config import parse_config
+from embedfleet.deployments.config import EmbedfleetConfig, parse_config
 from embedfleet.deployments.contracts import (BatchCall, BatchResult, FleetStatus,
                                               ModelReadiness, ReplicaDescription)
 from embedfleet.deployments.request_path.pipeline import EmbedPipeline
@@ -64,36 +64,46 @@ def new_api() -> FastAPI:
     return app
 
 
-def router_deployment(app: FastAPI | None = None) -> type:
-    """The Router class for one Serve application (a new FastAPI app each call; tests pass their
-    own ``new_api()`` to read its OpenAPI document and call its routes without Serve).
+def serve_api_keys(app: FastAPI, cfg: EmbedfleetConfig) -> None:
+    """Load the app's API keys (and the lanes they are limited to) into its state."""
+    app.state.api_keys = load_api_keys(cfg.router.api_keys_file, cfg.router.api_keys_env)
+    app.state.key_lanes = load_key_lanes(cfg.router.api_keys_file)
+    logger.info("HTTP ingress up; API keys %s", f"required ({len(app.state.api_keys)})"
+                if app.state.api_keys else "not configured (open API)")
 
-    Each route's body, responses and errors are documented by ``api.openapi.doc``: the handlers
-    read the raw request themselves, so FastAPI cannot see them."""
-    app = new_api() if app is None else app
 
-    @serve.ingress(app)
-    class Router:
-        async def __init__(self, config: dict[str, Any], engines: dict[str, Any],
-                           registry: Any, governor: Any = None) -> None:
-            cfg = parse_config(config, "router args")
-            app.state.api_keys = load_api_keys(cfg.router.api_keys_file,
-                                               cfg.router.api_keys_env)
-            app.state.key_lanes = load_key_lanes(cfg.router.api_keys_file)
-            logger.info("router up; API keys %s", f"required ({len(app.state.api_keys)})"
-                        if app.state.api_keys else "not configured (open API)")
-            self.fleet = FleetView(registry)
-            self.readiness = ReadinessView(self.fleet.readiness)
-            callers = {m.name: RemoteCaller(engines[m.name], m, cfg.router, self.readiness)
-                       for m in cfg.models if m.name in engines}
-            self.recorder = metrics.Batched()
-            loop = asyncio.get_running_loop()
-            self._background = [loop.create_task(self.recorder.flush_forever()),
-                                loop.create_task(self.readiness.refresh_forever())]
-            self.api = ApiRoutes(cfg, EmbedPipeline(cfg, callers), self.fleet.status,
-                                 lambda model, texts, special, prompt:
-                                 engines[model].tokenize_tei.remote(texts, special, prompt),
-                                 self.recorder)
+class RouterCore:
+    """The Router's state: every model through its Serve handle (``RemoteCaller``)."""
+
+    _app: FastAPI  # set by ``mount_routes``
+
+    async def __init__(self, config: dict[str, Any], engines: dict[str, Any],
+                       registry: Any, governor: Any = None) -> None:
+        cfg = parse_config(config, "router args")
+        serve_api_keys(self._app, cfg)
+        self.fleet = FleetView(registry)
+        self.readiness = ReadinessView(self.fleet.readiness)
+        callers = {m.name: RemoteCaller(engines[m.name], m, cfg.router, self.readiness)
+                   for m in cfg.models if m.name in engines}
+        self.recorder = metrics.Batched()
+        loop = asyncio.get_running_loop()
+        self._background = [loop.create_task(self.recorder.flush_forever()),
+                            loop.create_task(self.readiness.refresh_forever())]
+        self.api = ApiRoutes(cfg, EmbedPipeline(cfg, callers), self.fleet.status,
+                             lambda model, texts, special, prompt:
+                             engines[model].tokenize_tei.remote(texts, special, prompt),
+                             self.recorder)
+
+
+def mount_routes(app: FastAPI, core: type) -> type:
+    """``core`` (whose ``__init__`` sets ``self.api``, an ``ApiRoutes``) as a Serve ingress class
+    with embedfleet's routes on ``app``: the Router, or a one-model app's engine replica
+    (``api/direct.py``). Each route's body, responses and errors are documented by
+    ``api.openapi.doc``: the handlers read the raw request themselves, so FastAPI cannot see
+    them."""
+
+    class Ingress(core):  # type: ignore[misc, valid-type]
+        _app = app
 
         @app.post("/v1/embeddings", **openapi.doc("/v1/embeddings"))
         async def embeddings(self, request: Request) -> Response:
@@ -123,4 +133,12 @@ def router_deployment(app: FastAPI | None = None) -> type:
         async def ready(self) -> Response:
             return await self.api.ready()
 
-    return Router
+    # Serve's name for the class (not __qualname__: Serve finds the routes by it)
+    Ingress.__name__ = core.__name__.removesuffix("Core")
+    return serve.ingress(app)(Ingress)
+
+
+def router_deployment(app: FastAPI | None = None) -> type:
+    """The Router class for one Serve application (a new FastAPI app each call; tests pass their
+    own ``new_api()`` to read its OpenAPI document and call its routes without Serve)."""
+    return mount_routes(new_api() if app is None else app, RouterCore)

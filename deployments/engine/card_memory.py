@@ -31,6 +31,8 @@ interval (``VmHWM``, reset each probe) plays the allocator's peak.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 
@@ -112,3 +114,32 @@ def reading_from_probe(probe: dict[str, int], kv_pool_bytes: int, kv_peak_usage:
     return CardMemoryReading(used_bytes=probe["used"], total_bytes=probe["total"],
                              kv_pool_bytes=kv_pool_bytes, kv_peak_usage=kv_peak_usage,
                              cache_free_bytes=cache_free)
+
+
+def signal_floor_problems(cfg: Any) -> list[str]:
+    """Models whose card's live memory ratio could not fall below ``governor.params.high`` at
+    idle: a governor would hold them at their floor forever (``card_memory.idle_floor``)."""
+    from embedfleet.deployments.request_path.fingerprint import weights_bytes
+
+    high = cfg.governor.params.high
+    out = []
+    for i, m in enumerate(cfg.models):
+        weights = weights_bytes(m.source)
+        if weights is None:
+            continue  # not on this machine: the replica checks its real idle reading at start
+        if cfg.platform.kind == "cpu":
+            total = cfg.platform.cpu_card_memory_bytes
+            pool = cfg.engine_kwargs_pool_bytes(m)
+        else:
+            total, pool = cfg.platform.card_memory_bytes, m.engine.kv_cache_memory_bytes
+            if total is None:
+                continue
+        floor = idle_floor(weights=weights, total=total, kv_pool=pool)
+        if floor >= high:
+            where = ("platform.cpu_card_memory_bytes" if cfg.platform.kind == "cpu"
+                     else "platform.card_memory_bytes")
+            out.append(f"models[{i}] ({m.name!r}): the live memory ratio cannot fall below "
+                       f"{floor:.3f} at idle (weights {weights} B, KV pool {pool or 0} B, "
+                       f"{where}={total}), not below governor.params.high={high}: the governor "
+                       "would hold this card's budget at its floor forever")
+    return out

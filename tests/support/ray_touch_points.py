@@ -186,9 +186,10 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     # -- Serve: the API ------------------------------------------------------------------------
     *(T("serve/__init__.py", n, used_by=u) for n, u in (
         ("deployment", "deployments/app.py, deployments/control/registry.py"),
-        ("ingress", "deployments/api/router.py @serve.ingress(app)"),
+        ("ingress", "deployments/api/router.py mount_routes: serve.ingress(app)(cls)"),
         ("status", "cluster/cli.py collect_status"),
         ("get_deployment_handle", "cluster/cli.py collect_status, cmd_prefix_cache"),
+        ("get_app_handle", "cluster/embed_corpus.py: the app's ingress, Router or engine"),
         ("get_replica_context", "deployments/replica.py"),
         ("Application", "deployments/app.py (from ray.serve import Application)"),
     )),
@@ -198,6 +199,7 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     T("serve/api.py", "status", used_by="cluster/cli.py"),
     T("serve/api.py", "get_deployment_handle", ("deployment_name", "app_name"),
       used_by="cluster/cli.py"),
+    T("serve/api.py", "get_app_handle", ("name",), used_by="cluster/embed_corpus.py"),
     T("serve/api.py", "get_replica_context", used_by="deployments/replica.py"),
     T("serve/deployment.py", "Deployment.options", DEPLOYMENT_OPTIONS,
       used_by="deployments/app.py with deployments/options.py's dicts"),

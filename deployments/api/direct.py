@@ -1,0 +1,55 @@
+"""A one-model app's engine replica that takes HTTP itself: the Router hop taken out.
+
+With ``router.ingress`` resolved to ``engine`` (one model, always at least one replica, no
+prefix-affinity routing), the engine deployment is the app's ingress: HAProxy (or Serve's proxy)
+hands each request to a replica, and the replica runs the same ``ApiRoutes`` and ``EmbedPipeline``
+as the Router, with its own request path as the model's only caller. What the Router did besides
+that, and where it went:
+
+* choosing a replica: HAProxy's least-connections (each replica is one of its servers);
+* admission: the replica's own owner queue (429 + Retry-After), as before;
+* holding calls through an engine swap: the replica's engine gate, as before; a replica that
+  is starting gets no HTTP until it is ready;
+* a replica whose engine died: HAProxy replays requests whose connection it closed
+  (``options.HAPROXY_REPLAY_ENV``); a request the dead engine held gets 503 + Retry-After from
+  its replica (the Router would have retried it on another replica);
+* ``/ready``, ``/v1/models``: the registry's view of the fleet, as the Router's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from embedfleet.deployments.api.router import FleetView, mount_routes, new_api, serve_api_keys
+from embedfleet.deployments.api.routes import ApiRoutes
+from embedfleet.deployments.engine.lifecycle import DEFAULT_ENGINE_FACTORY
+from embedfleet.deployments.replica import EngineReplica
+from embedfleet.deployments.request_path.pipeline import EmbedPipeline
+
+
+class DirectEngineCore(EngineReplica):
+    """An ``EngineReplica`` with the HTTP API in front of its own request path."""
+
+    _app: FastAPI  # set by ``mount_routes``
+
+    async def __init__(self, config: dict[str, Any], model_name: str, registry: Any = None,
+                       engine_factory: str = DEFAULT_ENGINE_FACTORY, governor: Any = None) -> None:
+        await EngineReplica.__init__(self, config, model_name, registry, engine_factory,
+                                     governor)
+        serve_api_keys(self._app, self.cfg)
+        fleet = FleetView(registry)
+        # the model's one caller is this replica's own request path (EngineReplica.embed)
+        self.api = ApiRoutes(self.cfg, EmbedPipeline(self.cfg, {model_name: self.embed}),
+                             fleet.status, self._tokenize, self.recorder)
+
+    async def _tokenize(self, model: str, texts: list[str], add_special_tokens: bool,
+                        prompt_name: str | None) -> list:
+        return await self.tokenize_tei(texts, add_special_tokens, prompt_name)
+
+
+def direct_deployment(app: FastAPI | None = None) -> type:
+    """The engine deployment class of a one-model app that takes HTTP (a new FastAPI app each
+    call, as ``router_deployment``)."""
+    return mount_routes(new_api() if app is None else app, DirectEngineCore)

@@ -192,9 +192,19 @@ class EmbedfleetPeer(OpenAIHttpPeer):
             self.started_cluster = False
             await self._cli("down", timeout=DOWN_TIMEOUT_S)
 
+    def _path(self) -> str:
+        """The request's way in, from the config the harness started the cluster with."""
+        if not self.config_path.exists():
+            return "the running cluster's own path"
+        from embedfleet.deployments.config import load_config
+
+        if load_config(self.config_path).direct_ingress:  # router.ingress resolved to engine
+            return "engine replica as the HTTP ingress -> vLLM, no Router"
+        return "router -> replica -> vLLM"
+
     def describe(self) -> dict[str, Any]:
         replicas = (self.models_entry or {}).get("replicas", {})
-        return {"kind": "embedfleet over HTTP (router -> replica -> vLLM)", "url": self.base_url,
+        return {"kind": f"embedfleet over HTTP ({self._path()})", "url": self.base_url,
                 "model": self.model,
                 "cluster": self.origin,
                 "cores": self.cores if self.config_path.exists()

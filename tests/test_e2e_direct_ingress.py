@@ -11,7 +11,8 @@ at steady state (tests/configs/e2e-cpu.yaml), and deletes it afterwards. Shown, 
   the Router app (the model's name is the same in both);
 * a burst past the replica's owner queue gets 429 + Retry-After with an OpenAI body, and every
   other request its vectors: admission is the replica's own, with no Router in front;
-* ``/ready`` and ``/v1/models`` read the app's own registry.
+* ``/ready`` and ``/v1/models`` read the app's own registry;
+* the corpus job's call (``embed_batch`` through the app's handle) reaches the engine replica.
 """
 
 from __future__ import annotations
@@ -58,6 +59,19 @@ import ray
 from ray import serve
 ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
 serve.delete(sys.argv[1])
+"""
+
+
+EMBED_BATCH = """
+import json, sys
+import ray
+from ray import serve
+from embedfleet.deployments.contracts import BatchCall
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+res = serve.get_app_handle(sys.argv[1]).embed_batch.remote(
+    BatchCall(sys.argv[2], json.loads(sys.argv[3]))).result()
+print(json.dumps({"vectors": res.vectors.tolist(), "tokens": list(res.tokens),
+                  "fingerprint": res.fingerprint}))
 """
 
 
@@ -155,3 +169,16 @@ def test_ready_and_models_read_the_apps_own_registry(direct):
     assert ready.json()["models"] == {MINILM: 1}
     models = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
     assert [m["id"] for m in models] == [MINILM]
+
+
+def test_the_corpus_jobs_handle_call_reaches_the_engine_replica(direct, reference_embed):
+    """``embedfleet embed-corpus`` calls the app's ingress handle (``serve.get_app_handle``):
+    here the engine deployment's ``embed_batch``, on the bulk lane, through the same pipeline."""
+    import json
+
+    texts = ["a corpus passage", "another passage, a little longer than the first"]
+    out = json.loads(ray_script(EMBED_BATCH, APP, MINILM, json.dumps(texts)))
+    got = np.array(out["vectors"], dtype=np.float32)
+    assert np.min(np.sum(got * reference_embed(texts), axis=1)) >= 0.9999
+    assert all(n > 2 for n in out["tokens"])  # real token counts, [CLS] and [SEP] included
+    assert out["fingerprint"]["x-embedfleet-engine"].startswith("vllm")

@@ -78,13 +78,21 @@ def find_targets(kind: str, actors: Iterable[Any], app: str | None = None) -> li
     return sorted(hits, key=lambda r: (r.get("name") or "", r.get("pid") or 0))
 
 
+def _ever_had_a_router(actors: list[Any], app: str | None) -> bool:
+    """Whether Ray has seen a Router replica of ``app`` (any app: None), in any state."""
+    pattern = re.compile(TARGETS["kill-router"].class_name.format(
+        app=re.escape(app) if app else "[^:]+"))
+    return any(pattern.fullmatch(as_record(a).get("class_name") or "") for a in actors)
+
+
 def pick_target(kind: str, actors: Iterable[Any], rng: random.Random,
                 app: str | None = None) -> dict[str, Any]:
     actors = list(actors)
     hits = find_targets(kind, actors, app)
-    if not hits and kind == "kill-router":
+    if not hits and kind == "kill-router" and not _ever_had_a_router(actors, app):
         # a one-model app's engine replicas take HTTP themselves (router.ingress): they are
-        # its ingress, and HAProxy replays what a killed one held as it would a Router's
+        # its ingress, and HAProxy replays what a killed one held as it would a Router's. An
+        # app whose Routers are all being replaced just now is not such an app.
         hits = find_targets("kill-replica", actors, app)
     if not hits:
         raise RuntimeError(f"no alive {TARGETS[kind].what} found")

@@ -11,6 +11,7 @@ from embedfleet.deployments.options import (
     RUNTIME_ENV_VARS,
     engine_deployment_options,
     governor_deployment_options,
+    proxy_request_timeout_s,
     registry_deployment_options,
     router_deployment_options,
 )
@@ -23,9 +24,13 @@ def serve_config(cfg: EmbedfleetConfig) -> dict[str, Any]:
     router = [] if cfg.direct_ingress else [router_deployment_options(cfg)]
     deployments = [*router, registry_deployment_options(cfg), governor_deployment_options(cfg)]
     deployments += [engine_deployment_options(cfg, m) for m in cfg.models]
+    http: dict[str, Any] = {"host": cfg.router.host, "port": cfg.router.port}
+    timeout = proxy_request_timeout_s(cfg)
+    if timeout is not None:
+        http["request_timeout_s"] = timeout
     return {
         "proxy_location": cfg.proxy_location,
-        "http_options": {"host": cfg.router.host, "port": cfg.router.port},
+        "http_options": http,
         "applications": [{
             "name": cfg.app_name,
             "route_prefix": "/",

@@ -74,8 +74,10 @@ class RouterConfig(BaseModel):
         "engine), one hop less: about 2.7 CPU-s per 1,000 online texts and ~8 ms per request "
         "on two CPU cores. It needs one model, min_replicas >= 1 (a Router holds calls through "
         "a scale-to-zero cold start) and no prefix-affinity routing (HAProxy balances by "
-        "connections, not by prompt). `auto`: `engine` when the app allows it and "
-        "http_ingress is haproxy, else `router`.")
+        "connections, not by prompt). A request then runs on the replica that took it, all of "
+        "it (the Router slices one of more than 128 inputs over the replicas). `auto`: "
+        "`engine` when the app allows it, http_ingress is haproxy and the model has a fixed "
+        "number of replicas (min = max), else `router`.")
 
 
 def direct_ingress_refusal(router: RouterConfig, models: list[Any]) -> str | None:
@@ -96,8 +98,11 @@ def direct_ingress_refusal(router: RouterConfig, models: list[Any]) -> str | Non
 
 def uses_direct_ingress(router: RouterConfig, models: list[Any]) -> bool:
     """``router.ingress`` resolved (``auto``: engine when allowed, over HAProxy)."""
-    if router.ingress == "router":
+    if router.ingress == "router" or direct_ingress_refusal(router, models) is not None:
         return False
-    if router.ingress == "auto" and router.http_ingress != "haproxy":
-        return False
-    return direct_ingress_refusal(router, models) is None
+    if router.ingress == "engine":
+        return True
+    # auto: over HAProxy, and for a fixed number of replicas only. An autoscaled model keeps the
+    # Router, which slices a large request over the replicas, so Serve's load count (the
+    # autoscaler's input) counts slices; in a direct app it counts whole HTTP requests.
+    return router.http_ingress == "haproxy" and models[0].replicas.fixed

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig
+from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig, RouterConfig
 
 ROUTER_NAME = "Router"
 REGISTRY_NAME = "FleetRegistry"
@@ -135,6 +135,45 @@ def serve_queue_limits(m: ModelConfig) -> dict[str, int]:
     ceiling = m.budget_ceiling
     per_replica = min(ceiling.max_sequences + m.admission.max_waiting, MAX_ONGOING_REQUESTS)
     return {"max_ongoing_requests": per_replica, "max_queued_requests": per_replica}
+
+
+# Slots of a direct app's engine deployment (router.ingress: engine) kept for HTTP calls that are
+# not embeddings (/health, /ready, /v1/models): see direct_model_share.
+DIRECT_ONGOING_HEADROOM = 16
+
+
+def direct_model_share(m: ModelConfig) -> int:
+    """Embedding requests one replica of a direct app takes in at once; past it, 429 +
+    Retry-After with an OpenAI body (``EmbedPipeline``'s share check).
+
+    With no Router in front, HTTP goes straight into the replica, and Serve itself rejects what
+    is past ``max_ongoing_requests`` + ``max_queued_requests`` with a plain-text 503 and no
+    Retry-After (Ray 2.60's default ``backpressure_config``; 2.55.1 has no setting for it). The
+    pipeline refuses first: it keeps its in-flight embedding requests below Serve's
+    ``max_ongoing_requests``, so Serve never queues or rejects one."""
+    ongoing = serve_queue_limits(m)["max_ongoing_requests"]
+    return max(1, ongoing - DIRECT_ONGOING_HEADROOM)
+
+
+def request_bound_s(router: RouterConfig, m: ModelConfig) -> float:
+    """The bound on one request's time in the cluster, retries and holds included: the Router's
+    (``RemoteCaller``) and a direct app's replica's, where a call may wait out an engine's cold
+    start at the gate."""
+    return max(router.request_timeout_s, m.replicas.cold_start_hold_s)
+
+
+# How much longer than request_bound_s Serve's proxy holds an HTTP request of a direct app: it
+# is HAProxy's backup while the app has no replica up, and it holds a request until one is (a
+# killed single replica: 29 s here); with no bound it would wait for ever if none can start.
+PROXY_HOLD_MARGIN_S = 30
+
+
+def proxy_request_timeout_s(cfg: EmbedfleetConfig) -> float | None:
+    """Serve's ``http_options.request_timeout_s``: set for a direct app only (a Router bounds
+    its own calls and answers 503 + Retry-After; Serve's proxy answers 408)."""
+    if not cfg.direct_ingress:
+        return None
+    return request_bound_s(cfg.router, cfg.models[0]) + PROXY_HOLD_MARGIN_S
 
 
 AFFINITY_ROUTER_CLASS = "embedfleet.deployments.request_path.affinity:PrefixAffinityRouter"

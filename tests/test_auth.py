@@ -57,3 +57,11 @@ def test_health_stays_open_and_no_keys_means_open():
 def test_key_match_is_exact():
     assert key_matches(b"abc", (b"xyz", b"abc"))
     assert not key_matches(b"ab", (b"abc",)) and not key_matches(b"abcd", (b"abc",))
+
+
+def test_health_stays_open_under_a_route_prefix():
+    """Serve serves an app under its route prefix with ``root_path`` set (an app deployed at
+    ``/direct`` in tests/test_e2e_direct_ingress.py): /health is still the open route."""
+    client = TestClient(make_client((b"sk-one",)).app, root_path="/direct")
+    assert client.get("/direct/health").status_code == 200
+    assert client.post("/direct/v1/embeddings").status_code == 401

@@ -244,6 +244,10 @@ def test_kill_router_hits_the_engine_replicas_of_an_app_without_a_router():
     assert router["pid"] == 13
     ingress = chaos_targets.pick_target("kill-router", ACTORS, random.Random(0), app="other-app")
     assert ingress["pid"] == 17
+    # an app whose only Router is dead (being replaced) has no direct ingress: nothing to kill
+    dead = [_actor(a.class_name, a.pid, a.name, "DEAD") if a.pid == 13 else a for a in ACTORS]
+    with pytest.raises(RuntimeError, match="no alive Router replica"):
+        chaos_targets.pick_target("kill-router", dead, random.Random(0), app="embedfleet")
 
 
 def test_engine_replicas_and_their_models():

@@ -188,6 +188,7 @@ def test_auto_takes_the_router_hop_out_only_where_the_app_allows_it():
     routed = {
         "two models": {"models": [ONE_PLAIN, {**ONE_PLAIN, "name": "n"}]},
         "scale to zero": {"models": [{**ONE_PLAIN, "replicas": {"min_replicas": 0}}]},
+        "autoscaled": {"models": [{**ONE_PLAIN, "replicas": {"max_replicas": 2}}]},
         "prefix affinity": {"models": [dict(MODEL)]},  # routing auto, prefix_cache auto
         "Serve's proxy": {"models": [ONE_PLAIN], "router": {"http_ingress": "serve_proxy"}},
         "said so": {"models": [ONE_PLAIN], "router": {"ingress": "router"}},
@@ -205,6 +206,8 @@ def test_engine_ingress_is_refused_at_load_where_it_would_drop_a_feature():
     assert parse_config({"models": [ONE_PLAIN], "router": {"ingress": "engine",
                                                            "http_ingress": "serve_proxy"}}
                         ).direct_ingress
+    autoscaled = [{**ONE_PLAIN, "replicas": {"max_replicas": 2}}]
+    assert parse_config({"models": autoscaled, **explicit}).direct_ingress  # the operator's call
     for models, words in (
             ([ONE_PLAIN, {**ONE_PLAIN, "name": "n"}], "serves 2 models"),
             ([{**ONE_PLAIN, "replicas": {"min_replicas": 0}}], "min_replicas=0"),
@@ -212,3 +215,15 @@ def test_engine_ingress_is_refused_at_load_where_it_would_drop_a_feature():
         with pytest.raises(ConfigError) as err:
             parse_config({"models": models, **explicit})
         assert "router.ingress='engine'" in str(err.value) and words in str(err.value)
+
+
+def test_serves_proxy_bounds_a_direct_apps_requests_the_router_app_bounds_its_own():
+    """With no replica up, HAProxy hands a direct app's requests to Serve's proxy, which holds
+    them until a replica is (a killed single replica: 29 s here). Unbounded, that wait would
+    have no end if none can start; the Router app's Router bounds its own calls (503)."""
+    direct = parse_config({"models": [ONE_PLAIN]})
+    http = serve_config(direct)["http_options"]
+    m = direct.models[0]
+    assert http["request_timeout_s"] == max(direct.router.request_timeout_s,
+                                            m.replicas.cold_start_hold_s) + 30
+    assert "request_timeout_s" not in serve_config(parse_config(cfg()))["http_options"]

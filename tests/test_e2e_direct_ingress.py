@@ -11,7 +11,7 @@ at steady state (tests/configs/e2e-cpu.yaml), and deletes it afterwards. Shown, 
   the Router app (the model's name is the same in both);
 * a burst past the replica's owner queue gets 429 + Retry-After with an OpenAI body, and every
   other request its vectors: admission is the replica's own, with no Router in front;
-* ``/ready`` and ``/v1/models`` read the app's own registry;
+* ``/ready`` and ``/v1/models`` read the app's own registry, and its API key is required;
 * the corpus job's call (``embed_batch`` through the app's handle) reaches the engine replica.
 """
 
@@ -75,8 +75,12 @@ print(json.dumps({"vectors": res.vectors.tolist(), "tokens": list(res.tokens),
 """
 
 
+KEY = "sk-direct-e2e"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 def direct_config(tmp_path) -> str:
-    """The e2e config cut down to MiniLM, with router.ingress left at auto."""
+    """The e2e config cut down to MiniLM, with router.ingress left at auto, and an API key."""
     data = yaml.safe_load(E2E_CONFIG.read_text())
     (minilm,) = [copy.deepcopy(m) for m in data["models"] if m["name"] == MINILM]
     minilm["replicas"] = {"min_replicas": 1, "max_replicas": 1}
@@ -84,6 +88,9 @@ def direct_config(tmp_path) -> str:
     keep = ("platform", "router", "governor", "monitoring", "health_check_timeout_s",
             "health_stall_timeout_s")
     cfg = {"app_name": APP, "models": [minilm], **{k: data[k] for k in keep if k in data}}
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"{KEY}\n")
+    cfg["router"] = {**cfg["router"], "api_keys_file": str(keys)}
     path = tmp_path / "direct-e2e.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
@@ -113,13 +120,13 @@ def test_openai_client_and_tei_get_minilm_vectors(direct, reference_embed):
 
     url, _ = direct
     texts = ["the direct path", "no router in between", "HAProxy to the replica"]
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     raw = client.embeddings.with_raw_response.create(model=MINILM, input=texts)
     got = np.array([d.embedding for d in raw.parse().data], dtype=np.float32)
     want = reference_embed(texts)
     assert np.min(np.sum(got * want, axis=1)) >= 0.9999
     assert raw.headers["x-embedfleet-replicas"], raw.headers  # served by one replica of the app
-    tei = requests.post(f"{url}/embed", json={"inputs": texts}, timeout=60)
+    tei = requests.post(f"{url}/embed", json={"inputs": texts}, headers=AUTH, timeout=60)
     assert tei.status_code == 200, tei.text
     assert np.allclose(np.array(tei.json(), dtype=np.float32), got, atol=1e-5)
 
@@ -128,7 +135,8 @@ def test_openai_client_and_tei_get_minilm_vectors(direct, reference_embed):
 def test_bad_input_gets_the_router_apps_error(cluster, direct, raw, headers):
     url, _ = direct
     via_router = requests.post(f"{cluster}/v1/embeddings", data=raw, headers=headers, timeout=60)
-    direct_resp = requests.post(f"{url}/v1/embeddings", data=raw, headers=headers, timeout=60)
+    direct_resp = requests.post(f"{url}/v1/embeddings", data=raw, headers={**headers, **AUTH},
+                                timeout=60)
     assert direct_resp.status_code == via_router.status_code, direct_resp.text
     want, got = via_router.json()["error"], direct_resp.json()["error"]
     if want["code"] == "model_not_found":  # the message lists each app's own models
@@ -145,7 +153,7 @@ def test_a_burst_past_the_owner_queue_gets_429_and_the_rest_vectors(direct, refe
 
     def call(_: int) -> requests.Response:
         return requests.post(f"{url}/v1/embeddings", json={"model": MINILM, "input": texts},
-                             timeout=300)
+                             headers=AUTH, timeout=300)
 
     with cf.ThreadPoolExecutor(48) as pool:
         answers = list(pool.map(call, range(48)))
@@ -162,12 +170,23 @@ def test_a_burst_past_the_owner_queue_gets_429_and_the_rest_vectors(direct, refe
             assert np.min(np.sum(got * want, axis=1)) >= 0.9999
 
 
+def test_the_apps_api_key_is_required_by_the_engine_replica(direct):
+    """The keys are the app's own (set on the FastAPI app Serve serves in the replica)."""
+    url, _ = direct
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        resp = requests.post(f"{url}/v1/embeddings", json={"model": MINILM, "input": "a"},
+                             headers=headers, timeout=30)
+        assert resp.status_code == 401, resp.text
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200  # open, as documented
+
+
 def test_ready_and_models_read_the_apps_own_registry(direct):
     url, _ = direct
-    ready = requests.get(f"{url}/ready", timeout=30)
+    ready = requests.get(f"{url}/ready", headers=AUTH, timeout=30)
     assert ready.status_code == 200, ready.text
     assert ready.json()["models"] == {MINILM: 1}
-    models = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
+    models = requests.get(f"{url}/v1/models", headers=AUTH, timeout=30).json()["data"]
     assert [m["id"] for m in models] == [MINILM]
 
 

@@ -8,6 +8,8 @@ bodies, statuses, headers - against the document. ``fuzz`` is also the e2e test'
 
 from __future__ import annotations
 
+import inspect
+
 import asyncio
 from types import SimpleNamespace
 
@@ -158,6 +160,11 @@ def test_a_direct_engine_app_publishes_the_routers_document(doc):
     app = new_api()
     cls = direct_deployment(app)
     assert app.openapi() == doc
+    # The API keys are set on ``cls._app`` in the replica: it must be the app Serve serves there,
+    # the copy serve.ingress freezes (its pickle round trip rebinds the class attribute).
+    for ingress in (cls, router_deployment()):
+        frozen = inspect.getclosurevars(ingress.__init__).nonlocals["frozen_app_or_func"]
+        assert frozen is ingress._app
     assert issubclass(cls, EngineReplica) and cls.__name__ == "DirectEngine"
     assert callable(cls.embed_batch) and callable(cls.embed)  # the corpus job's and own calls
 

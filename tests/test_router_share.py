@@ -109,3 +109,33 @@ def test_bulk_takes_at_most_half_a_models_share_so_interactive_still_gets_in(mon
 
     err = asyncio.run(scenario())
     assert err.status == 429 and "bulk requests" in str(err)
+
+
+def test_a_direct_app_refuses_in_json_before_serve_would_in_plain_text():
+    """A one-model app's engine replica takes HTTP itself (``api/direct.py``): Serve rejects what
+    is past its own limits with a plain-text 503 and no Retry-After, so the pipeline's share
+    must refuse first, with 429 + Retry-After, below Serve's ``max_ongoing_requests``."""
+    from embedfleet.deployments.options import (DIRECT_ONGOING_HEADROOM, direct_model_share,
+                                                serve_queue_limits)
+
+    small = parse_config({"models": [{"name": "m", "source": {"path": "/m"},
+                                       "admission": {"max_sequences": 8, "max_tokens": 512,
+                                                     "max_waiting": 20}}]})
+    m = small.models[0]
+    share = direct_model_share(m)
+    assert share == serve_queue_limits(m)["max_ongoing_requests"] - DIRECT_ONGOING_HEADROOM == 12
+    default = parse_config({"models": [{"name": "m", "source": {"path": "/m"}}]}).models[0]
+    assert direct_model_share(default) < serve_queue_limits(default)["max_ongoing_requests"]
+
+    async def run():
+        release = asyncio.Event()
+        pipe = EmbedPipeline(small, {"m": held_until(release)}, share=share)
+        held = [asyncio.create_task(pipe.run(EmbedRequest("m", ["x"], "input"), f"r{i}"))
+                for i in range(share)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded) as err:
+            await pipe.run(EmbedRequest("m", ["x"], "input"), "one-too-many")
+        assert err.value.status == 429 and err.value.retry_after_s >= 1
+        release.set()
+        assert len(await asyncio.gather(*held)) == share  # every held request is answered
+    asyncio.run(run())

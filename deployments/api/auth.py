@@ -62,6 +62,13 @@ def load_api_keys(keys_file: str | None, keys_env: str | None) -> tuple[bytes, .
     return tuple(k.encode() for k in keys)
 
 
+def _route_path(scope: Scope) -> str:
+    """The path within the app: an app served under a route prefix (Serve's ``root_path``)
+    still has its open routes open."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def key_matches(presented: bytes, keys: tuple[bytes, ...]) -> bool:
     return matched_key(presented, keys) is not None
 
@@ -85,7 +92,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         keys = self.keys_provider()
-        if scope["type"] != "http" or not keys or scope.get("path") in OPEN_PATHS:
+        if scope["type"] != "http" or not keys or _route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         header = dict(scope.get("headers") or []).get(b"authorization", b"")

@@ -7,7 +7,10 @@ as the Router, with its own request path as the model's only caller. What the Ro
 that, and where it went:
 
 * choosing a replica: HAProxy's least-connections (each replica is one of its servers);
-* admission: the replica's own owner queue (429 + Retry-After), as before;
+* admission: the replica's own owner queue (429 + Retry-After), as before, and the Router's
+  share check, sized so Serve never rejects an embedding request in plain text itself
+  (``options.direct_model_share``);
+* the bound on a request's time (``router.request_timeout_s``): 503 + Retry-After past it;
 * holding calls through an engine swap: the replica's engine gate, as before; a replica that
   is starting gets no HTTP until it is ready;
 * a replica whose engine died: HAProxy replays requests whose connection it closed
@@ -18,13 +21,17 @@ that, and where it went:
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI
 
 from embedfleet.deployments.api.router import FleetView, mount_routes, new_api, serve_api_keys
 from embedfleet.deployments.api.routes import ApiRoutes
+from embedfleet.deployments.contracts import EmbedCall, EmbedResult
 from embedfleet.deployments.engine.lifecycle import DEFAULT_ENGINE_FACTORY
+from embedfleet.deployments.errors import EngineUnavailable
+from embedfleet.deployments.options import direct_model_share, request_bound_s
 from embedfleet.deployments.replica import EngineReplica
 from embedfleet.deployments.request_path.pipeline import EmbedPipeline
 
@@ -40,9 +47,22 @@ class DirectEngineCore(EngineReplica):
                                      governor)
         serve_api_keys(self._app, self.cfg)
         fleet = FleetView(registry)
-        # the model's one caller is this replica's own request path (EngineReplica.embed)
-        self.api = ApiRoutes(self.cfg, EmbedPipeline(self.cfg, {model_name: self.embed}),
-                             fleet.status, self._tokenize, self.recorder)
+        m = self.cfg.model(model_name)
+        # A call's bound, as the Router's: a request never outlives it (a paused engine).
+        self._bound_s = request_bound_s(self.cfg.router, m)
+        pipeline = EmbedPipeline(self.cfg, {model_name: self._bounded_embed},
+                                 share=direct_model_share(m))
+        self.api = ApiRoutes(self.cfg, pipeline, fleet.status, self._tokenize, self.recorder)
+
+    async def _bounded_embed(self, call: EmbedCall) -> EmbedResult:
+        """The model's one caller: this replica's own request path (``EngineReplica.embed``),
+        within the bound; past it, 503 + Retry-After."""
+        try:
+            return await asyncio.wait_for(self.embed(call), self._bound_s)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(
+                f"replica {self.replica_id} did not answer within {self._bound_s:g}s",
+                retry_after_s=self.cfg.router.retry_after_s) from None
 
     async def _tokenize(self, model: str, texts: list[str], add_special_tokens: bool,
                         prompt_name: str | None) -> list:

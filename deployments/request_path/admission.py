@@ -33,13 +33,11 @@ Rules, and why:
 * **Cancellation is clean.** A waiter whose client went away leaves the queue; a waiter cancelled
   in the same loop iteration it was granted gives the grant back. Budget never leaks.
 
-Retry-After estimate (Little's law): with the budget full, the card drains about one budget's
-worth of work per mean hold time ``H`` (the EWMA of how long admitted requests held their budget).
-So the work ahead of a caller — in flight plus queued up to and including itself — takes about
-``max(tokens_ahead / max_tokens, seqs_ahead / max_sequences) * H`` seconds. Before any request
-has completed, ``H`` is taken as the time the caller already waited (or the queue timeout when
-it was refused without waiting): nothing finished in that long, so it is a lower bound. The
-result is clamped to [1 s, ``max_retry_after_s``] (Retry-After is whole seconds).
+Retry-After (Little's law): a full budget drains about one budget's worth of work per mean hold
+time ``H`` (EWMA of admitted requests' hold times), so the work ahead of a caller (in flight and
+queued, itself included) takes ``max(tokens_ahead / max_tokens, seqs_ahead / max_sequences) * H``.
+Before any completion, ``H`` is the time the caller already waited (or the queue timeout when
+refused at once), a lower bound. Clamped to [1 s, ``max_retry_after_s``], whole seconds.
 
 Everything runs on the replica's event loop; no locks are needed because no method awaits while
 it changes the counters.

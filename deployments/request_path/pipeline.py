@@ -77,11 +77,14 @@ def request_policy(default: LongInputPolicy, req: EmbedRequest) -> LongInputPoli
 
 
 class EmbedPipeline:
-    def __init__(self, cfg: EmbedfleetConfig, callers: dict[str, Caller]) -> None:
+    def __init__(self, cfg: EmbedfleetConfig, callers: dict[str, Caller],
+                 share: int | None = None) -> None:
+        """``share``: requests one model may hold at once (None: its share of the Router)."""
         self.cfg = cfg
         self._callers = callers
         self._models = {m.name: m for m in cfg.models}
-        self._share = router_model_share(len(callers), cfg.router.max_model_share)
+        self._share = (router_model_share(len(callers), cfg.router.max_model_share)
+                       if share is None else share)
         # Bulk may hold at most this much of a model's share, so a bulk flood held in the
         # replicas' bulk queues never takes the router slots interactive queries need.
         self._bulk_share = max(1, int(BULK_ROUTER_SHARE * self._share))

@@ -31,6 +31,7 @@ from embedfleet.deployments import metrics
 from embedfleet.deployments.config import ModelConfig, RouterConfig
 from embedfleet.deployments.contracts import EmbedCall, EmbedResult
 from embedfleet.deployments.errors import EngineUnavailable, NotReady, Overloaded
+from embedfleet.deployments.options import request_bound_s
 from embedfleet.deployments.request_path.cold_start import HoldExpired, Refused, await_with_hold
 from embedfleet.deployments.request_path.readiness import ReadinessView
 
@@ -72,7 +73,7 @@ class RemoteCaller:
         self._cold_start_s = bounds.cold_start_hold_s
         self._always_up = bounds.min_replicas > 0
         # The whole call's bound, retries included: a replacement engine's cold start.
-        self._bound_s = max(router.request_timeout_s, bounds.cold_start_hold_s)
+        self._bound_s = request_bound_s(router, model)
 
     def _hold_s(self, model: str) -> float:
         # A scale-to-zero model is always worth holding (the queued call is what starts a

@@ -66,12 +66,16 @@ def as_record(actor: Any) -> dict[str, Any]:
     return asdict(actor) if is_dataclass(actor) else dict(actor)
 
 
+def _class_pattern(kind: str, app: str | None) -> re.Pattern[str]:
+    """The actor class names ``kind`` hits, in ``app`` (None: any app)."""
+    return re.compile(TARGETS[kind].class_name.format(app=re.escape(app) if app else "[^:]+"))
+
+
 def find_targets(kind: str, actors: Iterable[Any], app: str | None = None) -> list[dict[str, Any]]:
     """The alive, started actors ``kind`` may hit, ordered by name so a seeded choice repeats.
 
     ``app`` limits Serve replicas to one application (from --config); None = any app."""
-    target = TARGETS[kind]
-    pattern = re.compile(target.class_name.format(app=re.escape(app) if app else "[^:]+"))
+    pattern = _class_pattern(kind, app)
     hits = [r for r in map(as_record, actors) if r.get("state") == "ALIVE"
             and (r.get("pid") or 0) > 0  # 0 = not created yet: nothing to kill
             and pattern.fullmatch(r.get("class_name") or "")]
@@ -80,8 +84,7 @@ def find_targets(kind: str, actors: Iterable[Any], app: str | None = None) -> li
 
 def _ever_had_a_router(actors: list[Any], app: str | None) -> bool:
     """Whether Ray has seen a Router replica of ``app`` (any app: None), in any state."""
-    pattern = re.compile(TARGETS["kill-router"].class_name.format(
-        app=re.escape(app) if app else "[^:]+"))
+    pattern = _class_pattern("kill-router", app)
     return any(pattern.fullmatch(as_record(a).get("class_name") or "") for a in actors)
 
 

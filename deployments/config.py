@@ -271,9 +271,10 @@ class EmbedfleetConfig(_Strict):
                     f"{where}: engine.max_num_batched_tokens={m.engine.max_num_batched_tokens} "
                     f"< max_model_len={m.max_model_len}: a full-length input could never run"
                 )
-        why = direct_ingress_refusal(self.router, self.models)
-        if self.router.ingress == "engine" and why:
-            raise ValueError(f"router.ingress='engine' but {why}")
+        if self.router.ingress == "engine":
+            why = direct_ingress_refusal(self.router, self.models)
+            if why:
+                raise ValueError(f"router.ingress='engine' but {why}")
         return self
 
     @property

@@ -19,23 +19,19 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import requests
 import yaml
 
-from tests.conftest import MINILM, ROOT
+from tests.conftest import E2E_TEMPLATE, MINILM
 from tests.support.live_cluster import ray_script
 from tests.test_e2e_errors import CASES
 
 pytestmark = pytest.mark.cluster
 
 APP, PREFIX = "direct-e2e", "/direct"
-E2E_CONFIG = ROOT / "tests" / "configs" / "e2e-cpu.yaml"
 
 DEPLOY = """
 import sys
@@ -81,7 +77,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 def direct_config(tmp_path) -> str:
     """The e2e config cut down to MiniLM, with router.ingress left at auto, and an API key."""
-    data = yaml.safe_load(E2E_CONFIG.read_text())
+    data = yaml.safe_load(E2E_TEMPLATE.read_text())
     (minilm,) = [copy.deepcopy(m) for m in data["models"] if m["name"] == MINILM]
     minilm["replicas"] = {"min_replicas": 1, "max_replicas": 1}
     minilm["routing"] = {"policy": "power_of_two"}
@@ -100,12 +96,8 @@ def direct_config(tmp_path) -> str:
 def direct(cluster, tmp_path_factory):
     """The direct app's base URL (through the session cluster's HAProxy); its deployments."""
     path = direct_config(tmp_path_factory.mktemp("direct"))
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
     # the free card may still be held by minilm-autoscale's second replica for a few seconds
-    done = subprocess.run([sys.executable, "-c", DEPLOY, path, PREFIX], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    deployments = done.stdout.split()
+    deployments = ray_script(DEPLOY, path, PREFIX, timeout=600).split()
     yield f"{cluster}{PREFIX}", deployments
     ray_script(DELETE, APP)
 

@@ -10,7 +10,8 @@ that, and where it went:
 * admission: the replica's own owner queue (429 + Retry-After), as before, and the Router's
   share check, sized so Serve never rejects an embedding request in plain text itself
   (``options.direct_model_share``);
-* the bound on a request's time (``router.request_timeout_s``): 503 + Retry-After past it;
+* the bound on a request's time (``options.request_bound_s``, the Router's): 503 +
+  Retry-After past it;
 * holding calls through an engine swap: the replica's engine gate, as before; a replica that
   is starting gets no HTTP until it is ready;
 * a replica whose engine died: HAProxy replays requests whose connection it closed

@@ -59,12 +59,12 @@ def actors_of_class(class_name: str) -> tuple[list[Any], dict[str, str]]:
     return _actors([("class_name", "=", class_name)])
 
 
-def ray_script(script: str, *args: str) -> str:
+def ray_script(script: str, *args: str, timeout: float = 120) -> str:
     """Run ``script`` as its own Ray driver (``python -c``, token auth) and return its stdout."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
+                          text=True, timeout=timeout, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip()
 
 

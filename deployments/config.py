@@ -131,9 +131,10 @@ class AdmissionConfig(_Strict):
         default=0.25, description="While both lanes wait, the least share of admitted tokens "
         "bulk gets: a steady interactive stream never starves it.")
     bulk_max_drain_s: PositiveFloat | None = Field(
-        default=0.25, description="Bulk may also hold only the tokens the card drains in this "
-        "long (its measured rate), so an interactive call arriving during a bulk flood waits "
-        "for at most about this much bulk work in the engine; null = the share alone.")
+        default=0.05, description="Bulk may also hold only the tokens the card drains in this "
+        "long (its measured rate), and a bulk call goes to the engine in runs of that size, so "
+        "an interactive call arriving during a bulk flood waits for at most about this much "
+        "bulk work in the engine; null = the share alone.")
 
     @model_validator(mode="after")
     def _bulk_within_queue(self) -> "AdmissionConfig":

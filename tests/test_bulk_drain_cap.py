@@ -118,7 +118,7 @@ def test_fast_card_keeps_the_share_and_no_bound_keeps_the_share():
 def test_bulk_max_drain_s_is_validated_at_load():
     m = {"name": "m", "source": {"path": "/m"}}
     cfg = parse_config({"models": [m]}, "t")
-    assert cfg.models[0].admission.bulk_max_drain_s == 0.25
+    assert cfg.models[0].admission.bulk_max_drain_s == 0.05
     off = parse_config({"models": [{**m, "admission": {"bulk_max_drain_s": None}}]}, "t")
     assert off.models[0].admission.bulk_max_drain_s is None
     with pytest.raises(ConfigError, match=r"bulk_max_drain_s"):

@@ -3,7 +3,9 @@
 One queue per replica — the admission queue (``request_path.admission``) — decides what runs:
 it admits calls by sequences and tokens (the governor's budget) and hands admitted pieces straight
 to the engine, whose own scheduler (vLLM's) batches them. There is no batcher in between:
-vLLM re-batched whatever a batcher grouped, so it only added a wait and a copy.
+vLLM re-batched whatever a batcher grouped, so it only added a wait and a copy. A bulk-lane call
+is admitted and sent in runs of at most what bulk may hold in flight (``_run_end``), so queries
+arriving during a flood find drain-sized engine steps ahead of them.
 
 Tokenizing long inputs moves off the event loop (a thread), so one big request does not stall
 every other call's bookkeeping; a short one is tokenized in place (a thread hop costs more).
@@ -19,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from embedfleet.deployments import metrics
-from embedfleet.deployments.contracts import EmbedCall, EmbedResult, Fingerprint
+from embedfleet.deployments.contracts import EmbedCall, EmbedResult, Fingerprint, Lane
 from embedfleet.deployments.engine.gate import EngineGate
 from embedfleet.deployments.engine.vllm_engine import Embedding, EmbeddingEngine, EngineInfo
 from embedfleet.deployments.errors import EmbedfleetError, EngineUnavailable
@@ -79,14 +81,12 @@ class RequestPath:
         t0 = time.perf_counter()
         prepared = await self._prepare(call)
         pieces, n_tokens = prepared.pieces, prepared.piece_tokens
-        async with self.queue.admit(len(pieces), n_tokens, lane=call.lane):
-            self.inflight_sequences += len(pieces)
-            self.inflight_tokens += n_tokens
-            try:
-                out = await self._engine_call(pieces, call.normalize, LANE_PRIORITY[call.lane])
-            finally:
-                self.inflight_sequences -= len(pieces)
-                self.inflight_tokens -= n_tokens
+        out: list[Embedding] = []
+        start = 0
+        while start < len(pieces):  # one run for an interactive call; bulk in drain-sized runs
+            end = self._run_end(pieces, start, call.lane)
+            out += await self._admitted_run(pieces[start:end], call)
+            start = end
         vectors = self.preparer.finish(prepared, [e.vector for e in out],
                                        dimensions=call.dimensions, normalize=call.normalize)
         cached = sum(e.num_cached_tokens for e in out)
@@ -95,6 +95,32 @@ class RequestPath:
         return EmbedResult(np.stack(vectors).astype(np.float32, copy=False),
                            prepared.input_tokens, cached, self._replica_id, self.fingerprint(),
                            report)
+
+    def _run_end(self, pieces: list[list[int]], start: int, lane: Lane) -> int:
+        """Where the run that starts at ``start`` ends. A bulk call goes to the engine in runs of
+        at most the tokens bulk may hold in flight now (``AdmissionBudget.bulk_token_cap``: what
+        the card drains in ``bulk_max_drain_s`` while queries come), each admitted on its own:
+        vLLM cannot pause a step, so a query arriving during a flood waits for the bulk work
+        already in the engine, and a whole 32-text call was the floor of that wait (145 ms a
+        step on one core of this machine). At least one piece per run: a piece is not split."""
+        if lane != "bulk":
+            return len(pieces)
+        cap, end, tokens = self.queue.bulk_token_cap, start + 1, len(pieces[start])
+        while end < len(pieces) and tokens + len(pieces[end]) <= cap:
+            tokens += len(pieces[end])
+            end += 1
+        return end
+
+    async def _admitted_run(self, run: list[list[int]], call: EmbedCall) -> list[Embedding]:
+        n_tokens = sum(len(p) for p in run)
+        async with self.queue.admit(len(run), n_tokens, lane=call.lane):
+            self.inflight_sequences += len(run)
+            self.inflight_tokens += n_tokens
+            try:
+                return await self._engine_call(run, call.normalize, LANE_PRIORITY[call.lane])
+            finally:
+                self.inflight_sequences -= len(run)
+                self.inflight_tokens -= n_tokens
 
     async def _prepare(self, call: EmbedCall) -> PreparedCall:
         def prepare() -> PreparedCall:

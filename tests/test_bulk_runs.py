@@ -1,0 +1,145 @@
+"""A bulk call reaches the engine in runs no larger than what bulk may hold in flight now
+(``RequestPath._run_end``, ``AdmissionBudget.bulk_token_cap``), so a query arriving during a
+bulk flood waits for a drain-sized step, not for a whole bulk call. Fakes stand in for the
+tokenizer and vLLM only; the admission budget is the real one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from embedfleet.deployments import metrics
+from embedfleet.deployments.contracts import EmbedCall, Fingerprint
+from embedfleet.deployments.engine.vllm_engine import Embedding
+from embedfleet.deployments.request_path.admission import AdmissionBudget
+from embedfleet.deployments.request_path.replica_path import RequestPath
+
+
+class RecordingEngine:
+    """Each piece's vector is its first token id, so the order of the result is checkable; records
+    the runs it gets and the most bulk tokens it held at once."""
+
+    def __init__(self, budget: AdmissionBudget) -> None:
+        self.runs: list[list[list[int]]] = []
+        self.info = SimpleNamespace(prefix_caching=False)
+        self._budget = budget
+        self.max_bulk_tokens = 0
+
+    async def embed(self, pieces, *, request_id, skip_prefix_cache, normalize, priority):
+        self.runs.append(pieces)
+        self.max_bulk_tokens = max(self.max_bulk_tokens, self._budget._bulk_tokens)
+        await asyncio.sleep(0.001)
+        return [Embedding(np.full(2, float(p[0]), np.float32), len(p), 0) for p in pieces]
+
+
+def make_path(budget: AdmissionBudget, pieces: list[list[int]]) -> tuple[RequestPath,
+                                                                         RecordingEngine]:
+    engine = RecordingEngine(budget)
+
+    @contextlib.asynccontextmanager
+    async def use(hold_s, retry_after_s):
+        yield engine
+
+    path = object.__new__(RequestPath)  # the path's own embed(), around fakes of its parts
+    prepared = SimpleNamespace(pieces=pieces, piece_tokens=sum(map(len, pieces)),
+                               input_tokens=sum(map(len, pieces)), report=lambda: ())
+    path.__dict__.update(
+        queue=budget, _gate=SimpleNamespace(use=use), _hold_s=1.0, _retry_after_s=1.0,
+        _reads_cache=lambda: True, _replica_id="r", _rec=metrics.Batched(),
+        _tag={"model": "m"}, _card_tag={"model": "m", "node": "n", "device": "0"},
+        inflight_sequences=0, inflight_tokens=0, engine_failed=False,
+        fingerprint=lambda: Fingerprint("d", "float32", "e", "cpu", False),
+        preparer=SimpleNamespace(finish=lambda p, vecs, **kw: vecs))
+
+    async def prepare(call):
+        return prepared
+
+    path._prepare = prepare
+    return path, engine
+
+
+def budget_with_cap(tokens_per_s: float, drain_s: float) -> AdmissionBudget:
+    """A budget whose card drains ``tokens_per_s``, with a query seen just now: bulk's cap is
+    ``tokens_per_s * drain_s`` (below its share of the 4096-token budget)."""
+    budget = AdmissionBudget(256, 4096, bulk_max_drain_s=drain_s)
+    budget._drain.tokens_per_s = tokens_per_s
+    budget._last_interactive_t = budget._clock()
+    return budget
+
+
+def pieces_of(n: int, tokens: int) -> list[list[int]]:
+    return [[k + 1] * tokens for k in range(n)]
+
+
+def test_a_bulk_call_runs_in_drain_sized_runs_and_keeps_its_order():
+    budget = budget_with_cap(tokens_per_s=1000, drain_s=0.05)  # cap: 50 tokens
+    path, engine = make_path(budget, pieces_of(32, 10))
+    out = asyncio.run(path.embed(EmbedCall(["x"] * 32, "req", "m", lane="bulk")))
+    assert [len(r) for r in engine.runs] == [5] * 6 + [2]  # 50 tokens a run, the rest last
+    assert engine.max_bulk_tokens <= 50
+    assert out.vectors[:, 0].tolist() == [float(k + 1) for k in range(32)]  # input order
+    assert budget._bulk_tokens == 0 and budget._inflight_tokens == 0  # every run released
+
+
+def test_an_interactive_call_is_one_engine_call():
+    budget = budget_with_cap(tokens_per_s=1000, drain_s=0.05)
+    path, engine = make_path(budget, pieces_of(32, 10))
+    asyncio.run(path.embed(EmbedCall(["x"] * 32, "req", "m", lane="interactive")))
+    assert [len(r) for r in engine.runs] == [32]
+
+
+def test_a_piece_larger_than_the_cap_runs_alone_and_whole():
+    budget = budget_with_cap(tokens_per_s=1000, drain_s=0.05)
+    pieces = [[1] * 10, [2] * 120, [3] * 10, [4] * 10]
+    path, engine = make_path(budget, pieces)
+    out = asyncio.run(path.embed(EmbedCall(["x"] * 4, "req", "m", lane="bulk")))
+    assert [[p[0] for p in r] for r in engine.runs] == [[1], [2], [3, 4]]
+    assert out.vectors[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("seen_query", [False, True])
+def test_without_recent_queries_bulk_keeps_its_whole_share(seen_query):
+    """Bulk alone runs in runs as large as its share (0.75 of 4096 tokens): solo throughput is
+    not cut into small steps; the drain cap holds only while queries come."""
+    budget = budget_with_cap(tokens_per_s=1000, drain_s=0.05)
+    if not seen_query:
+        budget._last_interactive_t = None
+    path, engine = make_path(budget, pieces_of(64, 10))
+    asyncio.run(path.embed(EmbedCall(["x"] * 64, "req", "m", lane="bulk")))
+    assert len(engine.runs) == (13 if seen_query else 1)
+
+
+def test_a_query_arriving_during_a_bulk_call_goes_between_its_runs():
+    """Two bulk calls and a query: the query is admitted while bulk runs are in flight, and no
+    engine call ever holds more bulk than the cap."""
+    budget = budget_with_cap(tokens_per_s=1000, drain_s=0.05)
+    engine = RecordingEngine(budget)
+    bulk_a, _ = make_path(budget, pieces_of(20, 10))
+    bulk_b, _ = make_path(budget, pieces_of(20, 10))
+    query, _ = make_path(budget, [[99]])
+    for p in (bulk_a, bulk_b, query):
+        p.__dict__["_gate"] = SimpleNamespace(use=_using(engine))
+
+    async def scenario():
+        a = asyncio.create_task(bulk_a.embed(EmbedCall(["x"] * 20, "a", "m", lane="bulk")))
+        b = asyncio.create_task(bulk_b.embed(EmbedCall(["x"] * 20, "b", "m", lane="bulk")))
+        await asyncio.sleep(0.002)
+        await query.embed(EmbedCall(["q"], "q", "m", lane="interactive"))
+        done_when_query_returned = a.done() and b.done()
+        await asyncio.gather(a, b)
+        return done_when_query_returned
+
+    assert asyncio.run(scenario()) is False  # the query did not wait for the bulk calls
+    assert [r for r in engine.runs if r == [[99]]]
+    assert engine.max_bulk_tokens <= 50
+
+
+def _using(engine):
+    @contextlib.asynccontextmanager
+    async def use(hold_s, retry_after_s):
+        yield engine
+    return use

@@ -51,6 +51,34 @@ def test_drain_rate_waits_for_a_whole_window():
     assert d.tokens_per_s == pytest.approx(1000)
 
 
+def test_the_cap_follows_the_peak_rate_not_the_capped_one():
+    """Small runs measure a slower card; the capacity the cap is sized from keeps the peak and
+    forgets it by half every PEAK_HALF_LIFE_S, and a faster window raises it at once."""
+    from embedfleet.deployments.request_path.drain_rate import PEAK_HALF_LIFE_S
+
+    clock = Clock()
+    d = DrainRate(window_s=1.0, clock=clock)
+
+    def window(tokens: int) -> None:
+        d.tick(busy=True)
+        clock.t += 1.0
+        d.tick(busy=True)
+        d.finished(tokens)
+
+    d.tick(busy=False)
+    window(4000)
+    assert d.capacity_tokens_per_s == pytest.approx(4000)
+    for _ in range(20):           # the capped load: the EWMA sinks toward 500/s
+        window(500)
+    assert d.tokens_per_s < 600
+    assert d.capacity_tokens_per_s == pytest.approx(4000 * 0.5 ** (20 / PEAK_HALF_LIFE_S))
+    clock.t += PEAK_HALF_LIFE_S - 20
+    d.tick(busy=False)            # idle meanwhile
+    assert d.capacity_tokens_per_s == pytest.approx(2000)
+    window(100_000)               # a faster window is a new peak at once
+    assert d.capacity_tokens_per_s == pytest.approx(d.tokens_per_s) and d.tokens_per_s > 2000
+
+
 async def _measure(b: AdmissionBudget, clock: Clock, tokens: int, seconds: float) -> None:
     """One interactive call of ``tokens`` that holds the card for ``seconds``."""
     async with b.admit(1, tokens):

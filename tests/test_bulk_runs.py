@@ -143,3 +143,60 @@ def _using(engine):
     async def use(hold_s, retry_after_s):
         yield engine
     return use
+
+
+def test_a_run_stays_within_bulks_sequence_share():
+    """Runs of short texts end at bulk's sequence share (0.75 of 8), so no run is oversize."""
+    budget = AdmissionBudget(8, 4096)  # no drain cap: the token share (3072) does not bind
+    path, engine = make_path(budget, pieces_of(20, 2))
+    out = asyncio.run(path.embed(EmbedCall(["x"] * 20, "req", "m", lane="bulk")))
+    assert [len(r) for r in engine.runs] == [6, 6, 6, 2]
+    assert budget.snapshot()["oversize_total"] == 0
+    assert out.vectors[:, 0].tolist() == [float(k + 1) for k in range(20)]
+
+
+def test_a_calls_later_runs_are_not_refused_by_the_waiting_limits():
+    """The bulk lane holds one waiting call (bulk_max_waiting=1), and a second call is refused;
+    the first call's later runs queue past that limit, at the head of the lane: work already
+    done is not thrown away by a 429."""
+    from embedfleet.deployments.errors import Overloaded
+
+    budget = AdmissionBudget(256, 4096, max_waiting=2, bulk_max_waiting=1,
+                             bulk_max_drain_s=0.05)
+    budget._drain.tokens_per_s = 1000  # cap: 50 tokens, 5 pieces a run
+    budget._last_interactive_t = budget._clock()
+    first, engine = make_path(budget, pieces_of(20, 10))
+    second, _ = make_path(budget, pieces_of(20, 10))
+    third, _ = make_path(budget, pieces_of(20, 10))
+
+    async def scenario():
+        a = asyncio.create_task(first.embed(EmbedCall(["x"] * 20, "a", "m", lane="bulk")))
+        await asyncio.sleep(0)  # a's first run is in flight
+        b = asyncio.create_task(second.embed(EmbedCall(["x"] * 20, "b", "m", lane="bulk")))
+        await asyncio.sleep(0)  # b waits: the lane's one waiting slot
+        with pytest.raises(Overloaded):
+            await third.embed(EmbedCall(["x"] * 20, "c", "m", lane="bulk"))
+        return await asyncio.gather(a, b)
+
+    a, b = asyncio.run(scenario())
+    assert a.vectors.shape == b.vectors.shape == (20, 2)
+    assert budget.snapshot()["rejected"]["bulk_queue_full"] == 1  # the third call only
+
+
+def test_an_engine_swap_between_runs_sends_the_whole_call_again():
+    """One call's vectors come from one engine: when the gate hands a later run a new engine
+    (prefix caching switched), every run goes again on the new one."""
+    budget = budget_with_cap(tokens_per_s=1000, drain_s=0.05)
+    old, new = RecordingEngine(budget), RecordingEngine(budget)
+    path, _ = make_path(budget, pieces_of(12, 10))
+    handed = iter([old, new, new, new, new, new])
+
+    @contextlib.asynccontextmanager
+    async def use(hold_s, retry_after_s):
+        yield next(handed)
+
+    path.__dict__["_gate"] = SimpleNamespace(use=use)
+    out = asyncio.run(path.embed(EmbedCall(["x"] * 12, "req", "m", lane="bulk")))
+    assert [len(r) for r in old.runs] == [5]
+    assert [len(r) for r in new.runs] == [5, 2, 5, 5, 2]  # the rest, then the call again
+    assert out.vectors[:, 0].tolist() == [float(k + 1) for k in range(12)]

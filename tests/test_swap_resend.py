@@ -70,7 +70,8 @@ def test_a_call_cut_by_the_swap_shutting_its_engine_down_runs_on_the_new_engine(
         await asyncio.sleep(0.05)
         assert not call.done()  # waiting at the gate for the new engine, not failed
         gate.open(new)
-        out = await asyncio.wait_for(call, 5)
+        out, engine = await asyncio.wait_for(call, 5)
+        assert engine is new  # the call says which engine answered (RequestPath._runs)
         return out, path, old, new
 
     out, path, old, new = asyncio.run(scenario())

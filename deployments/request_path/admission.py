@@ -1,28 +1,23 @@
 """AdmissionBudget: the per-card brake in front of the engine (sequences and tokens in flight).
 
-Why it exists: vLLM fixes its scheduler limits (``max_num_seqs``, ``max_num_batched_tokens``) at
-engine start, but card memory depends on how much work is inside the engine *now*. So each
-replica admits work against a budget the memory governor can lower and raise at run time.
+Why: vLLM fixes its scheduler limits (``max_num_seqs``, ``max_num_batched_tokens``) at engine
+start, but card memory depends on the work inside the engine *now*, so each replica admits work
+against a budget the memory governor lowers and raises at run time.
 
 Rules, and why:
 
 * **FIFO within a lane.** A request waits behind everything of its lane that arrived before it,
-  even when it would fit right now. Otherwise a stream of small requests could overtake a large
-  one forever (TEI's batching queue makes the same choice). The cost is head-of-line blocking,
-  bounded by the queue timeout.
-* **Two lanes: interactive ahead of bulk.** An interactive call overtakes every waiting bulk call,
-  with two bounds that keep both lanes honest:
-  - bulk holds at most ``bulk_max_inflight_share`` of the budget (sequences and tokens), so an
-    interactive call arriving during a bulk flood finds room at once instead of waiting for a
-    bulk call to finish; and, while interactive calls come (one in the last
-    ``INTERACTIVE_RECENT_S``), at most the tokens the card drains in ``bulk_max_drain_s``
-    (``drain_rate.py``), so their steps do not wait behind seconds of bulk work on a slow device.
-    Bulk alone keeps its whole share;
-  - while bulk waits, it is owed at least ``bulk_min_share`` of the tokens admitted (a deficit
-    count, reset when bulk's queue empties), and interactive calls queue while it is owed, so a
-    steady interactive stream never starves it;
-  - at most ``bulk_max_waiting`` bulk calls queue, so bulk never takes the waiting slots an
-    interactive call needs; past it, or past its wait bound, a bulk call gets 429.
+  even when it would fit now, or small requests could overtake a large one forever (TEI's queue
+  does the same); head-of-line blocking is bounded by the queue timeout.
+* **Two lanes: interactive ahead of bulk.** An interactive call overtakes every waiting bulk call:
+  - bulk holds at most ``bulk_max_inflight_share`` of the budget, so a query arriving during a
+    flood finds room at once; while queries come (one in the last ``INTERACTIVE_RECENT_S``), at
+    most the tokens the card drains in ``bulk_max_drain_s`` (``drain_rate.py``), and the replica
+    sends a bulk call in runs of that size (``follows``: a call's next run waits at the head of
+    its lane, past the waiting limits). Bulk alone keeps its whole share;
+  - while bulk waits, it is owed ``bulk_min_share`` of the tokens admitted (a deficit count,
+    reset when bulk's queue empties): a steady interactive stream never starves it;
+  - at most ``bulk_max_waiting`` bulk calls queue; past it, or past its wait bound, 429.
 * **Oversize runs alone.** A request larger than the whole budget (more sequences or tokens than
   the limits) is admitted once nothing else is in flight, and nothing is admitted beside it. A
   budget the governor cut low must slow big inputs down, never reject them forever.
@@ -30,17 +25,16 @@ Rules, and why:
   ``timeout_s`` in the queue, the caller gets ``Overloaded`` (429) with a Retry-After estimate.
 * **Limit changes never cancel.** ``set_limits`` lower: admitted work finishes, new work waits for
   the in-flight total to drain under the new limits. Raise: waiters are admitted at once.
-* **Cancellation is clean.** A waiter whose client went away leaves the queue; a waiter cancelled
-  in the same loop iteration it was granted gives the grant back. Budget never leaks.
+* **Cancellation is clean.** A waiter whose client went away leaves the queue; one cancelled as it
+  was granted gives the grant back.
 
 Retry-After (Little's law): a full budget drains about one budget's worth of work per mean hold
 time ``H`` (EWMA of admitted requests' hold times), so the work ahead of a caller (in flight and
 queued, itself included) takes ``max(tokens_ahead / max_tokens, seqs_ahead / max_sequences) * H``.
-Before any completion, ``H`` is the time the caller already waited (or the queue timeout when
-refused at once), a lower bound. Clamped to [1 s, ``max_retry_after_s``], whole seconds.
+Before any completion, ``H`` is the caller's wait so far (or the queue timeout when refused at
+once), a lower bound. Clamped to [1 s, ``max_retry_after_s``], whole seconds.
 
-Everything runs on the replica's event loop; no locks are needed because no method awaits while
-it changes the counters.
+Everything runs on the replica's event loop: no method awaits while it changes the counters.
 """
 
 from __future__ import annotations
@@ -79,10 +73,8 @@ class Admission:
 
     sequences: int
     tokens: int
-    waited_s: float
-    """Time spent queued for budget (0 on the fast path)."""
-    alone: bool
-    """True when the request was larger than the budget and so runs with nothing beside it."""
+    waited_s: float  # queued for budget (0 on the fast path)
+    alone: bool  # larger than the budget, so it runs with nothing beside it
 
 
 @dataclass(eq=False)
@@ -157,8 +149,7 @@ class AdmissionBudget:
         self._wake()
 
     @property
-    def limits(self) -> tuple[int, int]:
-        """(max_sequences, max_tokens)"""
+    def limits(self) -> tuple[int, int]:  # (max_sequences, max_tokens)
         return self._max_seqs, self._max_tokens
 
     @property
@@ -169,13 +160,16 @@ class AdmissionBudget:
     # -- admission -------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def admit(self, n_seqs: int, n_tokens: int, timeout_s: float | None = None,
-                    lane: Lane = "interactive") -> AsyncIterator[Admission]:
+                    lane: Lane = "interactive", follows: bool = False
+                    ) -> AsyncIterator[Admission]:
         """Hold ``n_seqs`` sequences and ``n_tokens`` tokens of the budget for the ``with`` body.
 
         Waits in its lane for at most ``timeout_s`` (None: the budget's ``queue_timeout_s``; 0: do
         not queue). Raises ``Overloaded`` when the queue is full or the wait times out.
+        ``follows``: the next run of a call already admitted (a bulk call goes in runs): it waits
+        at the head of its lane and past the waiting limits, so work done is not refused.
         """
-        admission = await self._acquire(n_seqs, n_tokens, timeout_s, lane)
+        admission = await self._acquire(n_seqs, n_tokens, timeout_s, lane, follows)
         started = self._clock()
         try:
             yield admission
@@ -183,29 +177,25 @@ class AdmissionBudget:
             self._release(n_seqs, n_tokens, lane, held_s=self._clock() - started)
 
     async def _acquire(self, n_seqs: int, n_tokens: int, timeout_s: float | None,
-                       lane: Lane) -> Admission:
+                       lane: Lane, follows: bool = False) -> Admission:
         # Wrong sizes are a bug in the caller, not the client's fault: ValueError → 500.
         if n_seqs < 1 or n_tokens < 0:
             raise ValueError(f"admit needs n_seqs >= 1 and n_tokens >= 0, got {n_seqs}, {n_tokens}")
         timeout = self._queue_timeout_s if timeout_s is None else timeout_s
         if lane == "interactive":
             self._last_interactive_t = self._clock()
-        ahead = self._ahead_of_new(lane)
+        ahead = self._ahead_of_new("interactive" if follows else lane)
         # An interactive call overtakes waiting bulk calls, unless bulk is owed its share.
-        if not ahead and self._fits(n_seqs, n_tokens, lane) and not self._bulk_owed():
+        if not ahead and self._fits(n_seqs, n_tokens, lane) and (
+                follows or not self._bulk_owed()):
             return self._take(n_seqs, n_tokens, lane, in_window=bool(self._lanes["bulk"]))
-        if len(self._lanes["interactive"]) + len(self._lanes["bulk"]) >= self._max_waiting:
-            raise self._reject(REJECT_QUEUE_FULL, n_seqs, n_tokens, waited_s=0.0,
-                               ahead=ahead, fallback_hold_s=timeout or 1.0)
-        if lane == "bulk" and len(self._lanes["bulk"]) >= self._bulk_max_waiting:
-            raise self._reject(REJECT_BULK_QUEUE_FULL, n_seqs, n_tokens, waited_s=0.0,
-                               ahead=ahead, fallback_hold_s=timeout or 1.0)
-        if timeout <= 0:
-            raise self._reject(REJECT_QUEUE_TIMEOUT, n_seqs, n_tokens, waited_s=0.0,
-                               ahead=ahead, fallback_hold_s=1.0)
+        refusal = None if follows else self._refusal(lane, timeout)
+        if refusal is not None:
+            raise self._reject(refusal, n_seqs, n_tokens, waited_s=0.0, ahead=ahead,
+                               fallback_hold_s=1.0 if timeout <= 0 else timeout)
 
         waiter = _Waiter(n_seqs, n_tokens, asyncio.get_running_loop().create_future(), lane)
-        self._lanes[lane].append(waiter)
+        (self._lanes[lane].appendleft if follows else self._lanes[lane].append)(waiter)
         self._waiting_seqs += n_seqs
         self._waiting_tokens += n_tokens
         self._wake()  # e.g. an interactive call queued for owed bulk that the bulk cap holds back
@@ -232,6 +222,13 @@ class AdmissionBudget:
                 self._cancelled += 1
             raise
         return self._granted(waiter, waited_s=self._clock() - t0)
+
+    def _refusal(self, lane: Lane, timeout: float) -> str | None:  # why a new call may not queue
+        if len(self._lanes["interactive"]) + len(self._lanes["bulk"]) >= self._max_waiting:
+            return REJECT_QUEUE_FULL
+        if lane == "bulk" and len(self._lanes["bulk"]) >= self._bulk_max_waiting:
+            return REJECT_BULK_QUEUE_FULL
+        return REJECT_QUEUE_TIMEOUT if timeout <= 0 else None
 
     def _ahead_of_new(self, lane: Lane) -> list[_Waiter]:
         """Who a call arriving now waits behind: its own lane, and for bulk the interactive one."""
@@ -262,11 +259,15 @@ class AdmissionBudget:
                 and self._inflight_tokens + n_tokens <= self._max_tokens)
 
     @property
+    def bulk_seq_cap(self) -> int:  # bulk's in-flight sequences: its share (at least one)
+        return max(1, int(self._bulk_inflight_share * self._max_seqs))
+
+    @property
     def bulk_token_cap(self) -> float:
         """Bulk's in-flight tokens: its share of the budget, and what the card drains in
         ``bulk_max_drain_s`` once a rate is measured."""
         cap = self._bulk_inflight_share * self._max_tokens
-        rate, seen = self._drain.tokens_per_s, self._last_interactive_t
+        rate, seen = self._drain.capacity_tokens_per_s, self._last_interactive_t
         if (self._bulk_max_drain_s is None or rate is None or seen is None
                 or self._clock() - seen > INTERACTIVE_RECENT_S):
             return cap
@@ -363,14 +364,13 @@ class AdmissionBudget:
             self._on_reject(reason)
         state = (f"in flight {self._inflight_seqs} seq / {self._inflight_tokens} tok of "
                  f"{self._max_seqs} / {self._max_tokens}, {len(self._waiters)} waiting")
-        if reason == REJECT_QUEUE_FULL:
-            msg = f"card is saturated: admission queue full ({self._max_waiting} waiting; {state})"
-        elif reason == REJECT_BULK_QUEUE_FULL:
-            msg = (f"bulk lane is full: {self._bulk_max_waiting} bulk calls waiting ({state}); "
-                   "the rest of the queue is kept for interactive calls")
-        else:
-            msg = (f"card is saturated: no batch budget for {n_seqs} seq / {n_tokens} tok after "
-                   f"{waited_s:.1f} s ({state})")
+        msg = {REJECT_QUEUE_FULL: f"card is saturated: admission queue full "
+                                  f"({self._max_waiting} waiting; {state})",
+               REJECT_BULK_QUEUE_FULL: f"bulk lane is full: {self._bulk_max_waiting} bulk calls "
+                                       f"waiting ({state}); the rest of the queue is kept for "
+                                       "interactive calls"
+               }.get(reason, f"card is saturated: no batch budget for {n_seqs} seq / "
+                             f"{n_tokens} tok after {waited_s:.1f} s ({state})")
         return Overloaded(f"{msg}; retry in about {retry:.0f} s", retry_after_s=retry)
 
     # -- status ----------------------------------------------------------------------------------

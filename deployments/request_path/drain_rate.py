@@ -9,9 +9,9 @@ here, on the device it runs on, with no per-device constant.
 
 How: time counts only while something is in flight (an idle card says nothing about its speed),
 tokens count when their call releases the budget; every ``window_s`` of busy time gives one sample
-(tokens / busy seconds), smoothed by an EWMA. The figure is the throughput at the load the card
-had, so under a cap it settles where the bulk in flight drains in about ``bulk_max_drain_s``:
-a fixed point, never zero (one bulk call is always admitted beside no other bulk).
+(tokens / busy seconds), smoothed by an EWMA. That is the throughput at the load the card had;
+the cap is sized from its recent peak (``capacity_tokens_per_s``), since under the cap the
+loaded figure is a fixed point that can shrink itself.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 _ALPHA = 0.3  # weight of the newest window: follows a change of load within a few seconds
+PEAK_HALF_LIFE_S = 1800.0  # how fast a measured peak is forgotten (capacity_tokens_per_s)
 
 
 def ewma(prev: float | None, sample: float, alpha: float) -> float:
@@ -35,6 +36,8 @@ class DrainRate:
         self._busy_s = 0.0
         self._tokens = 0
         self.tokens_per_s: float | None = None  # None until one busy window has passed
+        self._peak: float | None = None  # capacity_tokens_per_s when last measured, at _peak_t
+        self._peak_t = 0.0
 
     def tick(self, busy: bool) -> None:
         """Account the time since the last tick; ``busy``: was work in flight all that time.
@@ -50,3 +53,17 @@ class DrainRate:
         if self._busy_s >= self._window_s:
             self.tokens_per_s = ewma(self.tokens_per_s, self._tokens / self._busy_s, _ALPHA)
             self._busy_s, self._tokens = 0.0, 0
+            self._peak = max(self.capacity_tokens_per_s or 0.0, self.tokens_per_s)
+            self._peak_t = self._clock()
+
+    @property
+    def capacity_tokens_per_s(self) -> float | None:
+        """The most this card was seen to drain lately: the peak of ``tokens_per_s``, halving
+        every ``PEAK_HALF_LIFE_S``. What bulk's cap is sized from: the rate at the capped load
+        is a fixed point that shrinks itself where a step's own overhead is near
+        ``bulk_max_drain_s`` (small runs measure a slower card, which makes smaller runs; on two
+        shared cores bulk fell to 29-96 texts/s of 488 solo in some repeats). The peak is the
+        device's speed, which changes slowly; too high a figure only makes bulk's runs longer."""
+        if self._peak is None:
+            return self.tokens_per_s
+        return self._peak * 0.5 ** ((self._clock() - self._peak_t) / PEAK_HALF_LIFE_S)

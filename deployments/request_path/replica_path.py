@@ -80,21 +80,35 @@ class RequestPath:
     async def embed(self, call: EmbedCall) -> EmbedResult:
         t0 = time.perf_counter()
         prepared = await self._prepare(call)
-        pieces, n_tokens = prepared.pieces, prepared.piece_tokens
-        out: list[Embedding] = []
-        start = 0
-        while start < len(pieces):  # one run for an interactive call; bulk in drain-sized runs
-            end = self._run_end(pieces, start, call.lane)
-            out += await self._admitted_run(pieces[start:end], call)
-            start = end
+        out = await self._runs(prepared.pieces, call)
         vectors = self.preparer.finish(prepared, [e.vector for e in out],
                                        dimensions=call.dimensions, normalize=call.normalize)
         cached = sum(e.num_cached_tokens for e in out)
         report = prepared.report()
-        self._record(n_tokens, cached, report, len(pieces), time.perf_counter() - t0)
+        self._record(prepared.piece_tokens, cached, report, time.perf_counter() - t0)
         return EmbedResult(np.stack(vectors).astype(np.float32, copy=False),
                            prepared.input_tokens, cached, self._replica_id, self.fingerprint(),
                            report)
+
+    async def _runs(self, pieces: list[list[int]], call: EmbedCall) -> list[Embedding]:
+        """The call's pieces through the owner queue and the engine: one run for an interactive
+        call, bulk in drain-sized runs (``_run_end``), each run after the first at the head of
+        bulk's queue. One call's vectors come from one engine (the chunks of a long input are
+        merged): a swap between two runs (prefix caching switched) sends the call again."""
+        for _ in range(SWAP_RESENDS + 1):
+            out: list[Embedding] = []
+            engines: list[EmbeddingEngine] = []
+            start = 0
+            while start < len(pieces):
+                end = self._run_end(pieces, start, call.lane)
+                got, engine = await self._admitted_run(pieces[start:end], call, start > 0)
+                out += got
+                engines.append(engine)
+                start = end
+            if all(e is engines[0] for e in engines):
+                return out
+        raise EngineUnavailable(f"replica {self._replica_id}: its engine was replaced under "
+                                "every run of a bulk call", retry_after_s=self._retry_after_s)
 
     def _run_end(self, pieces: list[list[int]], start: int, lane: Lane) -> int:
         """Where the run that starts at ``start`` ends. A bulk call goes to the engine in runs of
@@ -102,20 +116,25 @@ class RequestPath:
         the card drains in ``bulk_max_drain_s`` while queries come), each admitted on its own:
         vLLM cannot pause a step, so a query arriving during a flood waits for the bulk work
         already in the engine, and a whole 32-text call was the floor of that wait (145 ms a
-        step on one core of this machine). At least one piece per run: a piece is not split."""
+        step on one core of this machine). Within bulk's sequence share too, so a run is never
+        oversize. At least one piece per run: a piece is not split."""
         if lane != "bulk":
             return len(pieces)
         cap, end, tokens = self.queue.bulk_token_cap, start + 1, len(pieces[start])
-        while end < len(pieces) and tokens + len(pieces[end]) <= cap:
+        stop = min(len(pieces), start + self.queue.bulk_seq_cap)
+        while end < stop and tokens + len(pieces[end]) <= cap:
             tokens += len(pieces[end])
             end += 1
         return end
 
-    async def _admitted_run(self, run: list[list[int]], call: EmbedCall) -> list[Embedding]:
+    async def _admitted_run(self, run: list[list[int]], call: EmbedCall, follows: bool
+                            ) -> tuple[list[Embedding], EmbeddingEngine]:
+        """One run admitted, then embedded; with the engine that embedded it."""
         n_tokens = sum(len(p) for p in run)
-        async with self.queue.admit(len(run), n_tokens, lane=call.lane):
+        async with self.queue.admit(len(run), n_tokens, lane=call.lane, follows=follows):
             self.inflight_sequences += len(run)
             self.inflight_tokens += n_tokens
+            self._rec.observe("embedfleet_engine_batch_size", len(run), self._tag)
             try:
                 return await self._engine_call(run, call.normalize, LANE_PRIORITY[call.lane])
             finally:
@@ -134,7 +153,7 @@ class RequestPath:
         return prepare()
 
     async def _engine_call(self, pieces: list[list[int]], normalize: bool,
-                           priority: int) -> list[Embedding]:
+                           priority: int) -> tuple[list[Embedding], EmbeddingEngine]:
         """Admitted pieces straight into the engine. While the engine is being replaced the call
         waits at the gate (up to the model's ``cold_start_hold_s``), then runs on the new one.
         A call still on the old engine when the swap shut it down (its drain bound ran out)
@@ -162,9 +181,9 @@ class RequestPath:
                     raise EngineUnavailable(f"engine of replica {self._replica_id} failed: "
                                             f"{type(exc).__name__}", retry_after_s=1) from None
             self.last_progress = time.monotonic()
-            return out
+            return out, engine
 
-    def _record(self, tokens: int, cached: int, report, pieces: int, seconds: float) -> None:
+    def _record(self, tokens: int, cached: int, report, seconds: float) -> None:
         rec, tag = self._rec, self._tag
         rec.inc("embedfleet_prompt_tokens_total", tokens, self._card_tag)
         if cached:
@@ -177,5 +196,4 @@ class RequestPath:
         chunks = sum(r.chunks for r in report if r.chunks > 1)
         if chunks:
             rec.inc("embedfleet_chunks_total", chunks, tag)
-        rec.observe("embedfleet_engine_batch_size", pieces, tag)
         rec.observe("embedfleet_engine_latency_seconds", seconds, tag)

@@ -21,7 +21,6 @@ def ray_worker_env(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
 
 
@@ -29,8 +28,7 @@ def test_each_card_gets_its_cores_and_a_thread_per_core(ray_worker_env):
     assert platform.prepare_cpu_process("1", cards_on_node=2) == "2,3"
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
     assert os.environ["OMP_NUM_THREADS"] == "2"  # not Ray's 1
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # idle threads sleep, not spin...
-    assert os.environ["GOMP_SPINCOUNT"] == platform.GOMP_SPIN_COUNT  # ...after a short spin
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # idle threads sleep, not spin
 
 
 def test_an_operators_binding_wins_and_sets_the_thread_count(ray_worker_env, monkeypatch):
@@ -38,16 +36,9 @@ def test_an_operators_binding_wins_and_sets_the_thread_count(ray_worker_env, mon
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert platform.prepare_cpu_process("0", cards_on_node=1) == "0-2"
     assert os.environ["OMP_NUM_THREADS"] == "3" and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert "GOMP_SPINCOUNT" not in os.environ  # it would override the operator's ACTIVE
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # vLLM picks: every core we have
     platform.prepare_cpu_process("0", cards_on_node=1)
     assert os.environ["OMP_NUM_THREADS"] == "4"
-
-
-def test_an_operators_spin_count_wins(ray_worker_env, monkeypatch):
-    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
-    platform.prepare_cpu_process("0", cards_on_node=1)
-    assert os.environ["GOMP_SPINCOUNT"] == "0" and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
 @pytest.mark.parametrize("binding, cores", [("0", 1), ("0,1", 2), ("0-7", 8), ("0-3,8-11", 8),

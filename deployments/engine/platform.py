@@ -107,12 +107,6 @@ def prepare_ascend_process() -> dict[str, str]:
     return {k: os.environ[k] for k in ASCEND_ENGINE_ENV}
 
 
-# libgomp's busy-wait before an idle OpenMP thread sleeps, in spins (libgomp's own estimate:
-# about 100,000 a millisecond, so ~0.1 ms). Its default, 300,000 (~3 ms), spun through the gaps
-# between one-text steps; 0 (PASSIVE) slept between a pass's kernels. See prepare_cpu_process.
-GOMP_SPIN_COUNT = "10000"
-
-
 def prepare_cpu_process(device: str, cards_on_node: int) -> str:
     """Set vLLM CPU thread binding for this replica's card; returns the binding used.
 
@@ -127,15 +121,14 @@ def prepare_cpu_process(device: str, cards_on_node: int) -> str:
     per 1,000 texts); 2 spinning 404-417 and 114-115 (15.8-16.0); 2 sleeping 425-441 and
     122-144 (11.1-13.2).
 
-    Sleeping at once cost every kernel of a forward pass a wake-up, though: one MiniLM text took
-    11 ms with PASSIVE against 6 ms spinning (in one process, no Ray, 4 x 150 calls each). A
-    short spin (``GOMP_SPINCOUNT``: set, it overrides the spin the wait policy implies) spans
-    the gaps between one pass's kernels and still sleeps between steps: 6.0 ms, and less CPU
-    than PASSIVE there (9.5 against 10.0 CPU-ms a call: no futex wake-ups). Under load it costs
-    CPU: in the cluster, 7.7 CPU-s per 1,000 online texts (16 in flight) against 6.2-6.8 with
-    PASSIVE, for 12.5-13.6 ms against 16.2-17.8 at one request in flight (two alternated rounds).
-    libgomp never spins a thread of a process with more threads than cores (PASSIVE's throttled
-    count is 0); an operator's own OMP_WAIT_POLICY gets no spin count from here."""
+    Sleeping at once costs every kernel of a forward pass a wake-up, though: one MiniLM text took
+    10.8 ms with PASSIVE against 6.0 ms with a ~0.1 ms spin (GOMP_SPINCOUNT=10000, which
+    overrides the spin the wait policy implies), in one process without Ray. In the cluster the
+    spin cut one request's p50 by ~4 ms (router overhead 10.7 -> 4.6 ms over bare vLLM) but took
+    the core the replica's front end needs under load: online 1.02x `vllm serve` against 1.16x,
+    7.8 CPU-s per 1,000 texts against 7.1 (`embedfleet bench`, 5 repeats each, README). So
+    PASSIVE stays the default; a latency-first deployment at low load sets GOMP_SPINCOUNT in the
+    cluster's environment, which is left as the operator set it."""
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # an operator's explicit choice wins
         binding = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
     else:
@@ -144,9 +137,7 @@ def prepare_cpu_process(device: str, cards_on_node: int) -> str:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ["OMP_NUM_THREADS"] = str(bound_cores(binding) or len(os.sched_getaffinity(0)))
-    if "OMP_WAIT_POLICY" not in os.environ:  # an operator's choice wins
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPIN_COUNT)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # an operator's choice wins
     return binding
 
 

@@ -6,17 +6,16 @@ tokenizer and vLLM only; the admission budget is the real one."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from embedfleet.deployments import metrics
-from embedfleet.deployments.contracts import EmbedCall, Fingerprint
+from embedfleet.deployments.contracts import EmbedCall
 from embedfleet.deployments.engine.vllm_engine import Embedding
 from embedfleet.deployments.request_path.admission import AdmissionBudget
 from embedfleet.deployments.request_path.replica_path import RequestPath
+from tests.support.request_path_standins import gate_of, request_path_over
 
 
 class RecordingEngine:
@@ -39,27 +38,7 @@ class RecordingEngine:
 def make_path(budget: AdmissionBudget, pieces: list[list[int]]) -> tuple[RequestPath,
                                                                          RecordingEngine]:
     engine = RecordingEngine(budget)
-
-    @contextlib.asynccontextmanager
-    async def use(hold_s, retry_after_s):
-        yield engine
-
-    path = object.__new__(RequestPath)  # the path's own embed(), around fakes of its parts
-    prepared = SimpleNamespace(pieces=pieces, piece_tokens=sum(map(len, pieces)),
-                               input_tokens=sum(map(len, pieces)), report=lambda: ())
-    path.__dict__.update(
-        queue=budget, _gate=SimpleNamespace(use=use), _hold_s=1.0, _retry_after_s=1.0,
-        _reads_cache=lambda: True, _replica_id="r", _rec=metrics.Batched(),
-        _tag={"model": "m"}, _card_tag={"model": "m", "node": "n", "device": "0"},
-        inflight_sequences=0, inflight_tokens=0, engine_failed=False,
-        fingerprint=lambda: Fingerprint("d", "float32", "e", "cpu", False),
-        preparer=SimpleNamespace(finish=lambda p, vecs, **kw: vecs))
-
-    async def prepare(call):
-        return prepared
-
-    path._prepare = prepare
-    return path, engine
+    return request_path_over(lambda: engine, budget, pieces), engine
 
 
 def budget_with_cap(tokens_per_s: float, drain_s: float) -> AdmissionBudget:
@@ -122,7 +101,7 @@ def test_a_query_arriving_during_a_bulk_call_goes_between_its_runs():
     bulk_b, _ = make_path(budget, pieces_of(20, 10))
     query, _ = make_path(budget, [[99]])
     for p in (bulk_a, bulk_b, query):
-        p.__dict__["_gate"] = SimpleNamespace(use=_using(engine))
+        p.__dict__["_gate"] = gate_of(lambda: engine)
 
     async def scenario():
         a = asyncio.create_task(bulk_a.embed(EmbedCall(["x"] * 20, "a", "m", lane="bulk")))
@@ -137,12 +116,6 @@ def test_a_query_arriving_during_a_bulk_call_goes_between_its_runs():
     assert [r for r in engine.runs if r == [[99]]]
     assert engine.max_bulk_tokens <= 50
 
-
-def _using(engine):
-    @contextlib.asynccontextmanager
-    async def use(hold_s, retry_after_s):
-        yield engine
-    return use
 
 
 def test_a_run_stays_within_bulks_sequence_share():
@@ -190,12 +163,7 @@ def test_an_engine_swap_between_runs_sends_the_whole_call_again():
     old, new = RecordingEngine(budget), RecordingEngine(budget)
     path, _ = make_path(budget, pieces_of(12, 10))
     handed = iter([old, new, new, new, new, new])
-
-    @contextlib.asynccontextmanager
-    async def use(hold_s, retry_after_s):
-        yield next(handed)
-
-    path.__dict__["_gate"] = SimpleNamespace(use=use)
+    path.__dict__["_gate"] = gate_of(lambda: next(handed))
     out = asyncio.run(path.embed(EmbedCall(["x"] * 12, "req", "m", lane="bulk")))
     assert [len(r) for r in old.runs] == [5]
     assert [len(r) for r in new.runs] == [5, 2, 5, 5, 2]  # the rest, then the call again

@@ -5,18 +5,16 @@ priority scheduler by default. Fakes stand in for the tokenizer and vLLM's Async
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from embedfleet.deployments import metrics
 from embedfleet.deployments.config import parse_config
-from embedfleet.deployments.contracts import EmbedCall, Fingerprint
+from embedfleet.deployments.contracts import EmbedCall
 from embedfleet.deployments.engine.vllm_engine import Embedding, VllmEmbeddingEngine
 from embedfleet.deployments.request_path.admission import AdmissionBudget
-from embedfleet.deployments.request_path.replica_path import RequestPath
+from tests.support.request_path_standins import request_path_over
 
 
 def test_engines_start_with_the_priority_scheduler_by_default():
@@ -38,26 +36,7 @@ class FakeEngine:
 @pytest.mark.parametrize("lane, priority", [("interactive", 0), ("bulk", 1)])
 def test_the_replica_path_sends_the_lane_to_vllm_as_its_priority(lane, priority):
     engine = FakeEngine()
-
-    @contextlib.asynccontextmanager
-    async def use(hold_s, retry_after_s):
-        yield engine
-
-    path = object.__new__(RequestPath)  # the path's own embed(), around fakes of its parts
-    prepared = SimpleNamespace(pieces=[[1, 2, 3]], piece_tokens=3, input_tokens=3,
-                               report=lambda: ())
-    path.__dict__.update(
-        queue=AdmissionBudget(8, 100), _gate=SimpleNamespace(use=use), _hold_s=1.0,
-        _retry_after_s=1.0, _reads_cache=lambda: True, _replica_id="r", _rec=metrics.Batched(),
-        _tag={"model": "m"}, _card_tag={"model": "m", "node": "n", "device": "0"},
-        inflight_sequences=0, inflight_tokens=0, engine_failed=False,
-        fingerprint=lambda: Fingerprint("d", "float32", "e", "cpu", False),
-        preparer=SimpleNamespace(finish=lambda p, vecs, **kw: vecs))
-
-    async def prepare(call):
-        return prepared
-
-    path._prepare = prepare
+    path = request_path_over(lambda: engine, AdmissionBudget(8, 100), [[1, 2, 3]])
     call = EmbedCall(["hello"], "req-1", "m", lane=lane)
     out = asyncio.run(path.embed(call))
     assert engine.priorities == [priority] and out.vectors.shape == (1, 4)

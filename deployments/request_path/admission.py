@@ -252,7 +252,7 @@ class AdmissionBudget:
             return True  # idle card: anything runs, an oversize request alone
         # The bulk cap binds only beside other bulk work: one bulk call never needs an idle card.
         if lane == "bulk" and (self._bulk_seqs or self._bulk_tokens) and (
-                self._bulk_seqs + n_seqs > self._bulk_inflight_share * self._max_seqs
+                self._bulk_seqs + n_seqs > self.bulk_seq_cap
                 or self._bulk_tokens + n_tokens > self.bulk_token_cap):
             return False
         return (self._inflight_seqs + n_seqs <= self._max_seqs

@@ -15,6 +15,8 @@ Rules, and why:
     most the tokens the card drains in ``bulk_max_drain_s`` (``drain_rate.py``), and the replica
     sends a bulk call in runs of that size (``follows``: a call's next run waits at the head of
     its lane, past the waiting limits). Bulk alone keeps its whole share;
+  - no bulk work is admitted while a query is in flight, unless bulk is owed its share (next):
+    vLLM cannot pause a step, but a query need not share its step with new bulk work;
   - while bulk waits, it is owed ``bulk_min_share`` of the tokens admitted (a deficit count,
     reset when bulk's queue empties): a steady interactive stream never starves it;
   - at most ``bulk_max_waiting`` bulk calls queue; past it, or past its wait bound, 429.
@@ -23,16 +25,14 @@ Rules, and why:
   budget the governor cut low must slow big inputs down, never reject them forever.
 * **Bounded waiting.** At most ``max_waiting`` requests queue; beyond that, and after
   ``timeout_s`` in the queue, the caller gets ``Overloaded`` (429) with a Retry-After estimate.
-* **Limit changes never cancel.** ``set_limits`` lower: admitted work finishes, new work waits for
-  the in-flight total to drain under the new limits. Raise: waiters are admitted at once.
-* **Cancellation is clean.** A waiter whose client went away leaves the queue; one cancelled as it
-  was granted gives the grant back.
+* **Limit changes never cancel.** Lowered: admitted work finishes, new work waits for it to
+  drain. Raised: waiters are admitted at once. **A cancelled waiter** leaves the queue, and one
+  cancelled as it was granted gives the grant back.
 
-Retry-After (Little's law): a full budget drains about one budget's worth of work per mean hold
-time ``H`` (EWMA of admitted requests' hold times), so the work ahead of a caller (in flight and
-queued, itself included) takes ``max(tokens_ahead / max_tokens, seqs_ahead / max_sequences) * H``.
-Before any completion, ``H`` is the caller's wait so far (or the queue timeout when refused at
-once), a lower bound. Clamped to [1 s, ``max_retry_after_s``], whole seconds.
+Retry-After (Little's law): a full budget drains one budget's work per mean hold time ``H``
+(EWMA), so the work ahead of a caller (in flight and queued, itself too) takes ``max(tokens_ahead
+/ max_tokens, seqs_ahead / max_sequences) * H``; before any completion ``H`` is the caller's wait
+so far (or the queue timeout if refused at once). Clamped to [1 s, ``max_retry_after_s``].
 
 Everything runs on the replica's event loop: no method awaits while it changes the counters.
 """
@@ -53,14 +53,12 @@ from embedfleet.deployments.contracts import LANES, Lane
 from embedfleet.deployments.errors import Overloaded
 from embedfleet.deployments.request_path.drain_rate import DrainRate, ewma
 
-#: Reasons passed to ``on_reject`` (and shown in ``snapshot()["rejected"]``); bounded label values
-#: for ``embedfleet_overload_rejections_total{reason}``.
+#: Reasons for ``on_reject``: bounded values of ``embedfleet_overload_rejections_total{reason}``.
 REJECT_QUEUE_FULL = "budget_queue_full"
 REJECT_QUEUE_TIMEOUT = "budget_queue_timeout"
 REJECT_BULK_QUEUE_FULL = "bulk_queue_full"
 
-# The drain cap holds while an interactive call came this recently: a steady query stream keeps
-# it on, and a bulk job alone runs at its full share a few seconds after the last query.
+# The drain cap holds while a query came this recently: bulk alone gets its full share back soon.
 INTERACTIVE_RECENT_S = 10.0
 
 # Weight of the newest hold time in the EWMA: reacts within ~5 completions, ignores one outlier.
@@ -250,6 +248,8 @@ class AdmissionBudget:
     def _fits(self, n_seqs: int, n_tokens: int, lane: Lane) -> bool:
         if self._inflight_seqs == 0 and self._inflight_tokens == 0:
             return True  # idle card: anything runs, an oversize request alone
+        if lane == "bulk" and self._inflight_seqs > self._bulk_seqs and not self._bulk_owed():
+            return False  # a query in flight: its step gets no new bulk work beside it
         # The bulk cap binds only beside other bulk work: one bulk call never needs an idle card.
         if lane == "bulk" and (self._bulk_seqs or self._bulk_tokens) and (
                 self._bulk_seqs + n_seqs > self.bulk_seq_cap

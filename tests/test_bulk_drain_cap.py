@@ -26,13 +26,13 @@ def test_drain_rate_counts_tokens_over_busy_time_only():
     d.tick(busy=False)            # a call starts on an idle card
     clock.t += 2.0
     d.tick(busy=True)
-    d.finished(400)               # 400 tokens in 2 busy seconds
+    d.finished(400, bulk=True)    # 400 tokens in 2 busy seconds
     assert d.tokens_per_s == pytest.approx(200)
     clock.t += 60                 # an idle minute says nothing about the card's speed
     d.tick(busy=False)
     clock.t += 1.0
     d.tick(busy=True)
-    d.finished(1200)              # a faster window moves the EWMA toward 1,200/s, not past it
+    d.finished(1200, bulk=True)   # a faster window moves the EWMA toward 1,200/s, not past it
     assert 200 < d.tokens_per_s < 1200
     assert d.tokens_per_s == pytest.approx(0.3 * 1200 + 0.7 * 200)
 
@@ -63,7 +63,7 @@ def test_the_cap_follows_the_peak_rate_not_the_capped_one():
         d.tick(busy=True)
         clock.t += 1.0
         d.tick(busy=True)
-        d.finished(tokens)
+        d.finished(tokens, bulk=True)
 
     d.tick(busy=False)
     window(4000)
@@ -80,9 +80,40 @@ def test_the_cap_follows_the_peak_rate_not_the_capped_one():
 
 
 async def _measure(b: AdmissionBudget, clock: Clock, tokens: int, seconds: float) -> None:
-    """One interactive call of ``tokens`` that holds the card for ``seconds``."""
-    async with b.admit(1, tokens):
+    """One bulk call of ``tokens`` that holds the card for ``seconds``, then a query (the drain
+    cap holds while queries come)."""
+    async with b.admit(1, tokens, lane="bulk"):
         clock.t += seconds
+    async with b.admit(1, 1):
+        pass
+
+
+def test_queries_alone_do_not_size_the_cap_and_capped_time_does_not_age_it():
+    """A replica that saw only light query traffic measured ~1,000 tokens/s, which is its load,
+    not its card: the first flood would start in tiny runs and stay near that fixed point. And a
+    peak that aged under the cap would sink to it within hours of a flood beside queries."""
+    from embedfleet.deployments.request_path.drain_rate import PEAK_HALF_LIFE_S
+
+    async def main():
+        clock = Clock()
+        b = AdmissionBudget(256, 16384, bulk_max_drain_s=0.25, clock=clock)
+        for _ in range(3):
+            async with b.admit(1, 1000):  # queries alone: 1,000 tokens a busy second
+                clock.t += 1.0
+        assert b.snapshot()["drain_tokens_per_s"] == pytest.approx(1000)
+        assert b.bulk_token_cap == pytest.approx(0.75 * 16384)  # not 250: bulk keeps its share
+        await _measure(b, clock, 8000, 1.0)  # the first window with bulk work: 8,000 tokens/s
+        assert b.bulk_token_cap == pytest.approx(2000)
+        for _ in range(int(2 * PEAK_HALF_LIFE_S)):  # an hour of capped flood beside queries
+            async with b.admit(1, 500, lane="bulk"):  # small runs measure a slower card
+                clock.t += 1.0
+            await _measure(b, clock, 0, 0.0)
+        assert b.bulk_token_cap == pytest.approx(2000)  # the peak did not age under the cap
+        clock.t += INTERACTIVE_RECENT_S + PEAK_HALF_LIFE_S  # then no query for half an hour
+        await _measure(b, clock, 0, 0.0)
+        assert b.bulk_token_cap == pytest.approx(1000, rel=0.01)  # aged by one half-life
+
+    asyncio.run(main())
 
 
 def test_bulk_in_flight_is_capped_at_what_the_card_drains_in_the_bound():
@@ -105,7 +136,7 @@ def test_bulk_in_flight_is_capped_at_what_the_card_drains_in_the_bound():
         assert got == ["interactive"]  # the cap is bulk's alone
         release.set()
         await asyncio.gather(*bulk, inter)
-        assert b.snapshot()["admitted_bulk_total"] == 10  # all served, two at a time
+        assert b.snapshot()["admitted_bulk_total"] == 1 + 10  # _measure's, then all ten
         clock.t += INTERACTIVE_RECENT_S + 1  # no query for a while: bulk alone gets its share
         assert b.bulk_token_cap == pytest.approx(0.75 * 16384)
         await _measure(b, clock, 10, 0.001)  # a query comes: the cap is back

@@ -44,10 +44,20 @@ def make_path(budget: AdmissionBudget, pieces: list[list[int]]) -> tuple[Request
 def budget_with_cap(tokens_per_s: float, drain_s: float) -> AdmissionBudget:
     """A budget whose card drains ``tokens_per_s``, with a query seen just now: bulk's cap is
     ``tokens_per_s * drain_s`` (below its share of the 4096-token budget)."""
-    budget = AdmissionBudget(256, 4096, bulk_max_drain_s=drain_s)
-    budget._drain.tokens_per_s = tokens_per_s
-    budget._last_interactive_t = budget._clock()
+    budget = AdmissionBudget(256, 4096, bulk_max_drain_s=drain_s, clock=FROZEN)
+    measured(budget, tokens_per_s)
     return budget
+
+
+def FROZEN() -> float:  # the budget's clock: the measured peak does not age during a test
+    return 100.0
+
+
+def measured(budget: AdmissionBudget, tokens_per_s: float) -> None:
+    """The card was seen draining ``tokens_per_s`` with bulk work in flight, and a query came
+    just now (the drain cap's two conditions)."""
+    budget._drain._peak, budget._drain._peak_t = tokens_per_s, budget._clock()
+    budget._last_interactive_t = budget._clock()
 
 
 def pieces_of(n: int, tokens: int) -> list[list[int]]:
@@ -135,9 +145,8 @@ def test_a_calls_later_runs_are_not_refused_by_the_waiting_limits():
     from embedfleet.deployments.errors import Overloaded
 
     budget = AdmissionBudget(256, 4096, max_waiting=2, bulk_max_waiting=1,
-                             bulk_max_drain_s=0.05)
-    budget._drain.tokens_per_s = 1000  # cap: 50 tokens, 5 pieces a run
-    budget._last_interactive_t = budget._clock()
+                             bulk_max_drain_s=0.05, clock=FROZEN)
+    measured(budget, 1000)  # cap: 50 tokens, 5 pieces a run
     first, engine = make_path(budget, pieces_of(20, 10))
     second, _ = make_path(budget, pieces_of(20, 10))
     third, _ = make_path(budget, pieces_of(20, 10))

@@ -61,8 +61,7 @@ REJECT_BULK_QUEUE_FULL = "bulk_queue_full"
 # The drain cap holds while a query came this recently: bulk alone gets its full share back soon.
 INTERACTIVE_RECENT_S = 10.0
 
-# Weight of the newest hold time in the EWMA: reacts within ~5 completions, ignores one outlier.
-_HOLD_EWMA_ALPHA = 0.2
+_HOLD_EWMA_ALPHA = 0.2  # the newest hold time's weight: follows ~5 completions, not one outlier
 
 
 @dataclass(frozen=True)
@@ -264,18 +263,19 @@ class AdmissionBudget:
 
     @property
     def bulk_token_cap(self) -> float:
-        """Bulk's in-flight tokens: its share of the budget, and what the card drains in
-        ``bulk_max_drain_s`` once a rate is measured."""
-        cap = self._bulk_inflight_share * self._max_tokens
-        rate, seen = self._drain.capacity_tokens_per_s, self._last_interactive_t
-        if (self._bulk_max_drain_s is None or rate is None or seen is None
-                or self._clock() - seen > INTERACTIVE_RECENT_S):
+        """Bulk's in-flight tokens: its share, and what the card drains in ``bulk_max_drain_s``."""
+        cap, rate = self._bulk_inflight_share * self._max_tokens, self._drain.capacity_tokens_per_s
+        if self._bulk_max_drain_s is None or rate is None or not self._queries_lately():
             return cap
         return min(cap, rate * self._bulk_max_drain_s)
 
+    def _queries_lately(self) -> bool:  # the drain cap's condition: a query in INTERACTIVE_RECENT_S
+        seen = self._last_interactive_t
+        return seen is not None and self._clock() - seen <= INTERACTIVE_RECENT_S
+
     def _take(self, n_seqs: int, n_tokens: int, lane: Lane, in_window: bool) -> Admission:
         """``in_window``: bulk had waiters when this was admitted (bulk_min_share's count)."""
-        self._drain.tick(busy=self._inflight_seqs > 0)
+        self._drain.tick(busy=self._inflight_seqs > 0, capped=self._queries_lately())
         self._inflight_seqs += n_seqs
         self._inflight_tokens += n_tokens
         if lane == "bulk":
@@ -335,14 +335,14 @@ class AdmissionBudget:
             head.future.set_result(None)
 
     def _release(self, n_seqs: int, n_tokens: int, lane: Lane, held_s: float | None) -> None:
-        self._drain.tick(busy=True)
+        self._drain.tick(busy=True, capped=self._queries_lately())
         self._inflight_seqs -= n_seqs
         self._inflight_tokens -= n_tokens
         if lane == "bulk":
             self._bulk_seqs -= n_seqs
             self._bulk_tokens -= n_tokens
         if held_s is not None:  # a finished call (None: a grant given back unused)
-            self._drain.finished(n_tokens)
+            self._drain.finished(n_tokens, bulk=lane == "bulk")
             self._hold_ewma_s = ewma(self._hold_ewma_s, held_s, _HOLD_EWMA_ALPHA)
         self._wake()
 

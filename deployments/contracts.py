@@ -153,6 +153,7 @@ class BudgetView(_Model):
     inflight_bulk_tokens: int = 0
     bulk_max_inflight_tokens: int = 0  # bulk's cap now: its share, or what drains in the bound
     drain_tokens_per_s: float | None = None  # the card's measured rate (request_path/drain_rate)
+    drain_capacity_tokens_per_s: float | None = None  # the rate bulk's cap is sized from
     waiting_bulk: int = 0
     oversize_total: int
     cancelled_total: int

@@ -25,14 +25,14 @@ def test_drain_rate_counts_tokens_over_busy_time_only():
     d = DrainRate(window_s=1.0, clock=clock)
     d.tick(busy=False)            # a call starts on an idle card
     clock.t += 2.0
-    d.tick(busy=True)
-    d.finished(400, bulk=True)    # 400 tokens in 2 busy seconds
+    d.tick(busy=True, bulk=True)
+    d.finished(400)               # 400 tokens in 2 busy seconds, bulk work in flight
     assert d.tokens_per_s == pytest.approx(200)
     clock.t += 60                 # an idle minute says nothing about the card's speed
     d.tick(busy=False)
     clock.t += 1.0
     d.tick(busy=True)
-    d.finished(1200, bulk=True)   # a faster window moves the EWMA toward 1,200/s, not past it
+    d.finished(1200)              # a faster window moves the EWMA toward 1,200/s, not past it
     assert 200 < d.tokens_per_s < 1200
     assert d.tokens_per_s == pytest.approx(0.3 * 1200 + 0.7 * 200)
 
@@ -60,10 +60,10 @@ def test_the_cap_follows_the_peak_rate_not_the_capped_one():
     d = DrainRate(window_s=1.0, clock=clock)
 
     def window(tokens: int) -> None:
-        d.tick(busy=True)
+        d.tick(busy=True, bulk=True)
         clock.t += 1.0
-        d.tick(busy=True)
-        d.finished(tokens, bulk=True)
+        d.tick(busy=True, bulk=True)
+        d.finished(tokens)
 
     d.tick(busy=False)
     window(4000)
@@ -109,9 +109,26 @@ def test_queries_alone_do_not_size_the_cap_and_capped_time_does_not_age_it():
                 clock.t += 1.0
             await _measure(b, clock, 0, 0.0)
         assert b.bulk_token_cap == pytest.approx(2000)  # the peak did not age under the cap
-        clock.t += INTERACTIVE_RECENT_S + PEAK_HALF_LIFE_S  # then no query for half an hour
-        await _measure(b, clock, 0, 0.0)
-        assert b.bulk_token_cap == pytest.approx(1000, rel=0.01)  # aged by one half-life
+        clock.t += INTERACTIVE_RECENT_S + PEAK_HALF_LIFE_S  # then no query for half an hour,
+        async with b.admit(1, 1):                          # and a query ends it
+            pass
+        assert b.bulk_token_cap == pytest.approx(1000)  # aged by that half-hour, not its last 10 s
+
+    asyncio.run(main())
+
+
+def test_a_small_bulk_call_among_light_queries_does_not_size_the_cap():
+    """Only a window with bulk in flight for most of its busy time measures the card."""
+    async def main():
+        clock = Clock()
+        b = AdmissionBudget(256, 16384, bulk_max_drain_s=0.25, clock=clock)
+        async with b.admit(1, 50, lane="bulk"):  # 0.1 s of bulk in a 1.1 s busy window
+            clock.t += 0.1
+        async with b.admit(1, 1000):
+            clock.t += 1.0
+        assert b.snapshot()["drain_tokens_per_s"] == pytest.approx(1050 / 1.1)
+        assert b.snapshot()["drain_capacity_tokens_per_s"] is None
+        assert b.bulk_token_cap == pytest.approx(0.75 * 16384)
 
     asyncio.run(main())
 

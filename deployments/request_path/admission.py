@@ -15,8 +15,6 @@ Rules, and why:
     most the tokens the card drains in ``bulk_max_drain_s`` (``drain_rate.py``), and the replica
     sends a bulk call in runs of that size (``follows``: a call's next run waits at the head of
     its lane, past the waiting limits). Bulk alone keeps its whole share;
-  - no bulk work is admitted while a query is in flight, unless bulk is owed its share (next):
-    vLLM cannot pause a step, but a query need not share its step with new bulk work;
   - while bulk waits, it is owed ``bulk_min_share`` of the tokens admitted (a deficit count,
     reset when bulk's queue empties): a steady interactive stream never starves it;
   - at most ``bulk_max_waiting`` bulk calls queue; past it, or past its wait bound, 429.
@@ -180,6 +178,7 @@ class AdmissionBudget:
             raise ValueError(f"admit needs n_seqs >= 1 and n_tokens >= 0, got {n_seqs}, {n_tokens}")
         timeout = self._queue_timeout_s if timeout_s is None else timeout_s
         if lane == "interactive":
+            self._tick(busy=self._inflight_seqs > 0)  # the time before this query is accounted
             self._last_interactive_t = self._clock()
         ahead = self._ahead_of_new("interactive" if follows else lane)
         # An interactive call overtakes waiting bulk calls, unless bulk is owed its share.
@@ -247,8 +246,6 @@ class AdmissionBudget:
     def _fits(self, n_seqs: int, n_tokens: int, lane: Lane) -> bool:
         if self._inflight_seqs == 0 and self._inflight_tokens == 0:
             return True  # idle card: anything runs, an oversize request alone
-        if lane == "bulk" and self._inflight_seqs > self._bulk_seqs and not self._bulk_owed():
-            return False  # a query in flight: its step gets no new bulk work beside it
         # The bulk cap binds only beside other bulk work: one bulk call never needs an idle card.
         if lane == "bulk" and (self._bulk_seqs or self._bulk_tokens) and (
                 self._bulk_seqs + n_seqs > self.bulk_seq_cap
@@ -265,17 +262,19 @@ class AdmissionBudget:
     def bulk_token_cap(self) -> float:
         """Bulk's in-flight tokens: its share, and what the card drains in ``bulk_max_drain_s``."""
         cap, rate = self._bulk_inflight_share * self._max_tokens, self._drain.capacity_tokens_per_s
-        if self._bulk_max_drain_s is None or rate is None or not self._queries_lately():
+        seen = self._last_interactive_t
+        if (self._bulk_max_drain_s is None or rate is None or seen is None
+                or self._clock() - seen > INTERACTIVE_RECENT_S):
             return cap
         return min(cap, rate * self._bulk_max_drain_s)
 
-    def _queries_lately(self) -> bool:  # the drain cap's condition: a query in INTERACTIVE_RECENT_S
-        seen = self._last_interactive_t
-        return seen is not None and self._clock() - seen <= INTERACTIVE_RECENT_S
+    def _tick(self, busy: bool) -> None:  # the drain rate's clock; the cap holds till seen + RECENT
+        until = None if (t := self._last_interactive_t) is None else t + INTERACTIVE_RECENT_S
+        self._drain.tick(busy, bulk=self._bulk_seqs > 0, capped_until=until)
 
     def _take(self, n_seqs: int, n_tokens: int, lane: Lane, in_window: bool) -> Admission:
         """``in_window``: bulk had waiters when this was admitted (bulk_min_share's count)."""
-        self._drain.tick(busy=self._inflight_seqs > 0, capped=self._queries_lately())
+        self._tick(busy=self._inflight_seqs > 0)
         self._inflight_seqs += n_seqs
         self._inflight_tokens += n_tokens
         if lane == "bulk":
@@ -335,14 +334,14 @@ class AdmissionBudget:
             head.future.set_result(None)
 
     def _release(self, n_seqs: int, n_tokens: int, lane: Lane, held_s: float | None) -> None:
-        self._drain.tick(busy=True, capped=self._queries_lately())
+        self._tick(busy=True)
         self._inflight_seqs -= n_seqs
         self._inflight_tokens -= n_tokens
         if lane == "bulk":
             self._bulk_seqs -= n_seqs
             self._bulk_tokens -= n_tokens
         if held_s is not None:  # a finished call (None: a grant given back unused)
-            self._drain.finished(n_tokens, bulk=lane == "bulk")
+            self._drain.finished(n_tokens)
             self._hold_ewma_s = ewma(self._hold_ewma_s, held_s, _HOLD_EWMA_ALPHA)
         self._wake()
 
@@ -393,6 +392,7 @@ class AdmissionBudget:
             "inflight_bulk_tokens": self._bulk_tokens,
             "bulk_max_inflight_tokens": int(self.bulk_token_cap),
             "drain_tokens_per_s": self._drain.tokens_per_s,
+            "drain_capacity_tokens_per_s": self._drain.capacity_tokens_per_s,
             "waiting_bulk": len(self._lanes["bulk"]),
             "oversize_total": self._oversize,
             "cancelled_total": self._cancelled,

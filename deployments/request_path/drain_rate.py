@@ -11,10 +11,11 @@ How: time counts only while something is in flight (an idle card says nothing ab
 tokens count when their call releases the budget; every ``window_s`` of busy time gives one sample
 (tokens / busy seconds), smoothed by an EWMA. That is the throughput at the load the card had;
 the cap is sized from its recent peak (``capacity_tokens_per_s``), since under the cap the
-loaded figure is a fixed point that can shrink itself. Only windows with bulk work in them set
-the peak (queries alone measure their own light load, not the card), and time under the cap
-does not age it (a capped window cannot show the card's full speed, so a long flood beside a
-steady query stream would otherwise sink to that fixed point, 30 min per halving).
+loaded figure is a fixed point that can shrink itself. Only windows in which bulk work was in
+flight most of the busy time set the peak (queries alone, or a small bulk call among them,
+measure their own light load, not the card), and time under the cap does not age it (a capped
+window cannot show the card's full speed, so a long flood beside a steady query stream would
+otherwise sink to that fixed point, 30 min per halving).
 """
 
 from __future__ import annotations
@@ -37,45 +38,48 @@ class DrainRate:
         self._clock = clock
         self._last: float | None = None  # when busy time was last accounted
         self._busy_s = 0.0
+        self._bulk_busy_s = 0.0  # of _busy_s, the time bulk work was in flight
         self._tokens = 0
         self.tokens_per_s: float | None = None  # None until one busy window has passed
-        self._bulk_in_window = False
-        self._bulk_rate: float | None = None  # the EWMA over windows with bulk work only
+        self._bulk_rate: float | None = None  # the EWMA over bulk-loaded windows only
         self._peak: float | None = None  # capacity_tokens_per_s when last measured, at _peak_t
         self._peak_t = 0.0
 
-    def tick(self, busy: bool, capped: bool = False) -> None:
-        """Account the time since the last tick; ``busy``: was work in flight all that time;
-        ``capped``: was bulk's drain cap in force (that time does not age the peak).
-        Call it before every change of the in-flight counts."""
+    def tick(self, busy: bool, bulk: bool = False, capped_until: float | None = None) -> None:
+        """Account the time since the last tick; ``busy``: was work in flight all that time,
+        ``bulk``: bulk work; ``capped_until``: when bulk's drain cap stops being in force (the
+        time before it does not age the peak). Call it before every change of the in-flight
+        counts, and before the cap's condition changes."""
         now = self._clock()
         if self._last is not None:
             self._busy_s += (now - self._last) if busy else 0.0
-            self._peak_t += (now - self._last) if capped else 0.0
+            self._bulk_busy_s += (now - self._last) if busy and bulk else 0.0
+            if capped_until is not None:
+                self._peak_t += max(0.0, min(now, capped_until) - self._last)
         self._last = now
 
-    def finished(self, tokens: int, bulk: bool = False) -> None:
-        """A call released ``tokens`` (``bulk``: a bulk-lane call); after ``tick(busy=True)``."""
+    def finished(self, tokens: int) -> None:
+        """A call released ``tokens``; after ``tick(busy=True)``."""
         self._tokens += tokens
-        self._bulk_in_window |= bulk
         if self._busy_s >= self._window_s:
             sample = self._tokens / self._busy_s
             self.tokens_per_s = ewma(self.tokens_per_s, sample, _ALPHA)
-            if self._bulk_in_window:
+            if self._bulk_busy_s >= 0.5 * self._busy_s:  # bulk loaded the card: it measures it
                 self._bulk_rate = ewma(self._bulk_rate, sample, _ALPHA)
                 self._peak = max(self.capacity_tokens_per_s or 0.0, self._bulk_rate)
-                self._peak_t = self._clock()
-            self._busy_s, self._tokens, self._bulk_in_window = 0.0, 0, False
+                self._peak_t = self._last or 0.0  # the last tick's time: never ahead of a tick
+            self._busy_s, self._bulk_busy_s, self._tokens = 0.0, 0.0, 0
 
     @property
     def capacity_tokens_per_s(self) -> float | None:
-        """The most this card was seen to drain lately: the peak of ``tokens_per_s``, halving
-        every ``PEAK_HALF_LIFE_S``. What bulk's cap is sized from: the rate at the capped load
-        is a fixed point that shrinks itself where a step's own overhead is near
-        ``bulk_max_drain_s`` (small runs measure a slower card, which makes smaller runs; on two
-        shared cores bulk fell to 29-96 texts/s of 488 solo in some repeats). The peak is the
-        device's speed, which changes slowly; too high a figure only makes bulk's runs longer.
-        None until a window with bulk work in it: until then bulk keeps its whole share."""
+        """The most this card was seen to drain lately with bulk work loading it: the peak of
+        that rate's EWMA, halving every ``PEAK_HALF_LIFE_S`` of time not under the cap. What
+        bulk's cap is sized from: the rate at the capped load is a fixed point that shrinks
+        itself where a step's own overhead is near ``bulk_max_drain_s`` (small runs measure a
+        slower card, which makes smaller runs; on two shared cores bulk fell to 29-96 texts/s
+        of 488 solo in some repeats). The peak is the device's speed, which changes slowly; too
+        high a figure only makes bulk's runs longer. None until a bulk-loaded window: until
+        then bulk keeps its whole share."""
         if self._peak is None:
             return None
         return self._peak * 0.5 ** ((self._clock() - self._peak_t) / PEAK_HALF_LIFE_S)

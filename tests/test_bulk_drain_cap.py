@@ -10,14 +10,8 @@ import pytest
 from embedfleet.deployments.config import ConfigError, parse_config
 from embedfleet.deployments.request_path.admission import INTERACTIVE_RECENT_S, AdmissionBudget
 from embedfleet.deployments.request_path.drain_rate import DrainRate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.admission_clock import Clock
+from tests.support.admission_clock import measure as _measure
 
 
 def test_drain_rate_counts_tokens_over_busy_time_only():
@@ -77,15 +71,6 @@ def test_the_cap_follows_the_peak_rate_not_the_capped_one():
     assert d.capacity_tokens_per_s == pytest.approx(2000)
     window(100_000)               # a faster window is a new peak at once
     assert d.capacity_tokens_per_s == pytest.approx(d.tokens_per_s) and d.tokens_per_s > 2000
-
-
-async def _measure(b: AdmissionBudget, clock: Clock, tokens: int, seconds: float) -> None:
-    """One bulk call of ``tokens`` that holds the card for ``seconds``, then a query (the drain
-    cap holds while queries come)."""
-    async with b.admit(1, tokens, lane="bulk"):
-        clock.t += seconds
-    async with b.admit(1, 1):
-        pass
 
 
 def test_queries_alone_do_not_size_the_cap_and_capped_time_does_not_age_it():

@@ -13,8 +13,9 @@ import pytest
 
 from embedfleet.deployments.contracts import EmbedCall
 from embedfleet.deployments.engine.vllm_engine import Embedding
-from embedfleet.deployments.request_path.admission import AdmissionBudget
+from embedfleet.deployments.request_path.admission import INTERACTIVE_RECENT_S, AdmissionBudget
 from embedfleet.deployments.request_path.replica_path import RequestPath
+from tests.support.admission_clock import Clock, measure
 from tests.support.request_path_standins import gate_of, request_path_over
 
 
@@ -41,23 +42,14 @@ def make_path(budget: AdmissionBudget, pieces: list[list[int]]) -> tuple[Request
     return request_path_over(lambda: engine, budget, pieces), engine
 
 
-def budget_with_cap(tokens_per_s: float, drain_s: float) -> AdmissionBudget:
-    """A budget whose card drains ``tokens_per_s``, with a query seen just now: bulk's cap is
-    ``tokens_per_s * drain_s`` (below its share of the 4096-token budget)."""
-    budget = AdmissionBudget(256, 4096, bulk_max_drain_s=drain_s, clock=FROZEN)
-    measured(budget, tokens_per_s)
+def budget_with_cap(tokens_per_s: float, drain_s: float, **kw) -> AdmissionBudget:
+    """A budget whose card was seen draining ``tokens_per_s`` under bulk work, with a query just
+    now: bulk's cap is ``tokens_per_s * drain_s`` (below its share of the 4096-token budget).
+    Its clock stands still (``budget._clock``), so the measured peak does not age."""
+    clock = Clock()
+    budget = AdmissionBudget(256, 4096, bulk_max_drain_s=drain_s, clock=clock, **kw)
+    asyncio.run(measure(budget, clock, tokens_per_s, 1.0))
     return budget
-
-
-def FROZEN() -> float:  # the budget's clock: the measured peak does not age during a test
-    return 100.0
-
-
-def measured(budget: AdmissionBudget, tokens_per_s: float) -> None:
-    """The card was seen draining ``tokens_per_s`` with bulk work in flight, and a query came
-    just now (the drain cap's two conditions)."""
-    budget._drain._peak, budget._drain._peak_t = tokens_per_s, budget._clock()
-    budget._last_interactive_t = budget._clock()
 
 
 def pieces_of(n: int, tokens: int) -> list[list[int]]:
@@ -96,7 +88,7 @@ def test_without_recent_queries_bulk_keeps_its_whole_share(seen_query):
     not cut into small steps; the drain cap holds only while queries come."""
     budget = budget_with_cap(tokens_per_s=1000, drain_s=0.05)
     if not seen_query:
-        budget._last_interactive_t = None
+        budget._clock.t += INTERACTIVE_RECENT_S + 1
     path, engine = make_path(budget, pieces_of(64, 10))
     asyncio.run(path.embed(EmbedCall(["x"] * 64, "req", "m", lane="bulk")))
     assert len(engine.runs) == (13 if seen_query else 1)
@@ -127,7 +119,6 @@ def test_a_query_arriving_during_a_bulk_call_goes_between_its_runs():
     assert engine.max_bulk_tokens <= 50
 
 
-
 def test_a_run_stays_within_bulks_sequence_share():
     """Runs of short texts end at bulk's sequence share (0.75 of 8), so no run is oversize."""
     budget = AdmissionBudget(8, 4096)  # no drain cap: the token share (3072) does not bind
@@ -144,9 +135,7 @@ def test_a_calls_later_runs_are_not_refused_by_the_waiting_limits():
     done is not thrown away by a 429."""
     from embedfleet.deployments.errors import Overloaded
 
-    budget = AdmissionBudget(256, 4096, max_waiting=2, bulk_max_waiting=1,
-                             bulk_max_drain_s=0.05, clock=FROZEN)
-    measured(budget, 1000)  # cap: 50 tokens, 5 pieces a run
+    budget = budget_with_cap(1000, 0.05, max_waiting=2, bulk_max_waiting=1)  # 5 pieces a run
     first, engine = make_path(budget, pieces_of(20, 10))
     second, _ = make_path(budget, pieces_of(20, 10))
     third, _ = make_path(budget, pieces_of(20, 10))

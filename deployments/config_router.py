@@ -46,6 +46,10 @@ class RouterConfig(BaseModel):
     api_keys_env: str | None = Field(
         default="EMBEDFLEET_API_KEYS",
         description="Environment variable with comma-separated API keys (read at start-up).")
+    expose_replica_details: bool = Field(
+        default=False, description="Show each replica's node name (an address by default) and "
+        "process id in /v1/models. Off: cards are listed by device and state only, so the API "
+        "tells a client nothing of the cluster's hosts. An operator's switch for debugging.")
     http_ingress: Literal["haproxy", "serve_proxy"] = Field(
         default="haproxy", description="What takes HTTP on `port` and hands it to the Router "
         "replicas. `haproxy`: Serve's HAProxy mode (every node's `ray start` environment gets "

@@ -100,6 +100,13 @@ class BodyTooLarge(EmbedfleetError):
     status, code = 413, "request_too_large"
 
 
+class RequestTooLarge(EmbedfleetError):
+    """The request's work is past a per-request bound (``limits``: characters, tokens); the
+    message names the limit and the value."""
+
+    status, code = 413, "request_limit_exceeded"
+
+
 class UnsupportedMediaType(EmbedfleetError):
     status, code = 415, "unsupported_media_type"
 
@@ -131,6 +138,67 @@ class EngineUnavailable(EmbedfleetError):
 
 class InternalError(EmbedfleetError):
     status, type, code = 500, "internal_error", "internal_error"
+
+
+# -- echoing a client's value ---------------------------------------------------------------
+def clip(value: object, limit: int = 64) -> str:
+    """``value`` as an error message may echo it: its repr, cut after ``limit`` characters with an
+    ellipsis and the original size, e.g. ``'aaaa…' (100000 chars)``.
+
+    A message that repeats what the client sent must stay small whatever was sent (a 100 KB model
+    name, an 8 MiB list), and must not fail on it: the rendering reads only as much of ``value``
+    as it shows, so it never recurses deeper than ``limit`` levels (a list nested 1,000 deep
+    breaks ``repr`` and orjson's encoder, which stops at 255) and never converts a huge int.
+    """
+    if isinstance(value, str):
+        if len(value) <= limit and len(text := repr(value)) <= limit + 2:
+            return text
+        n = min(len(value), limit)
+        while n > 1 and len(repr(value[:n])) > limit + 2:  # escapes make a repr longer
+            n -= 1
+        text = repr(value[:n])
+        return f"{text[:-1]}…{text[-1]} ({len(value)} chars)"
+    try:
+        text = _render(value, limit + 1)
+    except RecursionError:  # a limit deeper than the interpreter's stack: say what it was
+        return f"<{type(value).__name__}>"
+    if len(text) <= limit:
+        return text
+    size = ""
+    if isinstance(value, (list, tuple, dict)):
+        noun = "key" if isinstance(value, dict) else "item"
+        size = f" ({len(value)} {noun}{'' if len(value) == 1 else 's'})"
+    return f"{text[:limit]}…{size}"
+
+
+def _render(value: object, room: int) -> str:
+    """``repr(value)``, or a prefix of it longer than ``room`` (the caller cuts it there)."""
+    if isinstance(value, str):
+        return repr(value[:room])
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int):
+        # repr() of an int over 4,300 digits raises; such an int is shown by its size
+        bits = value.bit_length()
+        return repr(value) if bits <= 4 * room else f"<int of {bits} bits>"
+    if isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else value
+        text = "{" if isinstance(value, dict) else "[" if isinstance(value, list) else "("
+        for i, item in enumerate(items):
+            if len(text) > room:
+                return text
+            if i:
+                text += ", "
+            if isinstance(value, dict):
+                text += _render(item[0], room - len(text)) + ": "
+                item = item[1]
+            text += _render(item, room - len(text))
+        return text + ("}" if isinstance(value, dict) else "]" if isinstance(value, list)
+                       else ",)" if len(value) == 1 else ")")
+    try:
+        return repr(value)[:room + 1]
+    except Exception:  # a repr that fails is not the client's problem
+        return f"<{type(value).__name__}>"
 
 
 def error_response(err: EmbedfleetError) -> Response:

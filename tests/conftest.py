@@ -105,9 +105,16 @@ def tiny_qwen3_dir() -> Path:
 # starts): pytest_collection_modifyitems launches it in the background when any `cluster` test is
 # selected, and orders every `cluster` test after the others; the fixture waits for it.
 _CLUSTER_UP: dict[str, subprocess.Popen] = {}
-# Tests that only wait on background work started early (the Ascend dry-run resolves, network
-# bound): run last, so the work overlaps the rest of the session.
-LAST = ("test_ascend_install.py::test_ascend_install_resolves",)
+
+
+def session_order(item) -> tuple[int, int]:
+    """Where a test runs: the tiers by marker, never by file name. Unmarked tests first (unit
+    tests, then `cluster` tests, so the cluster starts while the unit tests run), then the
+    `late(n)` ones in increasing n, whatever their tier: tests that read work started earlier in
+    the session (the bench smoke's background run, the dashboard's events, the Ascend dry-run
+    resolves started at the session's start) run after it, so the work overlaps the rest."""
+    late = item.get_closest_marker("late")
+    return ((late.args[0] if late.args else 1) if late else 0, 1 if item.get_closest_marker("cluster") else 0)
 
 
 def _start_cluster() -> subprocess.Popen:
@@ -124,10 +131,8 @@ def _start_cluster() -> subprocess.Popen:
 
 @pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: start no cluster nobody uses
 def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=session_order)  # stable: collection order within a tier
     cluster = [i for i in items if i.get_closest_marker("cluster")]
-    last = [i for i in items if any(i.nodeid.split("/")[-1].startswith(n) for n in LAST)]
-    rest = [i for i in items if i not in cluster and i not in last]
-    items[:] = rest + cluster + last
     # Not for --collect-only: nothing runs, and a cluster started then outlives the command (one
     # did, and the next session joined its Ray head and met its Prometheus on :9090).
     if cluster and "up" not in _CLUSTER_UP and not config.option.collectonly:

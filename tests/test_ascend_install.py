@@ -63,6 +63,10 @@ from packaging.version import Version
 
 from embedfleet.deployments.engine import ascend_release as rel
 
+# Its own tier: pip and PyPI (and Huawei's index) over the network. `make test` runs it,
+# `make test-unit` leaves it out (-m "not ascend_install").
+pytestmark = pytest.mark.ascend_install
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "ascend-sdists"
 PYPROJECT = ROOT / "pyproject.toml"
@@ -736,6 +740,7 @@ def test_ascend_resolves_are_under_way(resolves):
     assert all(r.run is not None or r.ray_note for r in resolves.values())
 
 
+@pytest.mark.late(3)  # waits on the dry runs started early: last, so they overlap the session
 @pytest.mark.parametrize("arch", ARCHES)
 def test_ascend_install_resolves(arch, resolves):
     r = resolves[arch]

@@ -1,6 +1,6 @@
 """`embedfleet bench --quick` as a background run of the test session.
 
-The bench smoke test (tests/test_e2e_zy_bench_quick.py) spent 2 to 5 minutes of `make test`,
+The bench smoke test (tests/test_e2e_bench_quick.py) spent 2 to 5 minutes of `make test`,
 mostly starting its two vLLM peers, with no request to embedfleet. tests/conftest.py starts it
 with the first cluster tests, beside tests that mostly wait (for Serve's timers, for cold starts
 that keep one core busy), and makes the later cluster tests wait for it; the test checks what it
@@ -26,7 +26,7 @@ WORKLOADS = ("short", "online")
 
 
 class BackgroundBench:
-    test_file = "test_e2e_zy_bench_quick.py"
+    test_file = "test_e2e_bench_quick.py"
 
     def __init__(self) -> None:
         self.wanted = False  # set by tests/conftest.py when the bench test is selected

@@ -1,8 +1,9 @@
 """Every query of the generated Grafana dashboard, and every shipped rule, against the live
 Prometheus of the session cluster.
 
-The file runs last in the session (``zz``), after the other end-to-end files have produced the
-events some panels need (4xx, 429s, truncations, chunks, a failed canary, governor decisions). It
+The file runs after every other cluster test (marked ``late(2)``, which tests/conftest.py orders
+by), when the other end-to-end files have produced the events some panels need (4xx, 429s,
+truncations, chunks, a failed canary, governor decisions). It
 sends a little traffic of its own so the rate() panels have fresh samples, substitutes the Grafana
 variables the way Grafana would, and polls the whole set of queries together for a bounded time:
 a query error fails at once; a query that never returns a series fails when the time is up, with
@@ -26,7 +27,7 @@ from embedfleet.monitoring.grafana import dashboard
 from embedfleet.monitoring.prometheus.config import RULE_FILES, RULES_DIR
 from tests.conftest import FAULTY_QWEN3, MINILM, TINY_QWEN3
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.late(2)]
 
 PROMETHEUS = "http://127.0.0.1:9090"
 DASH = json.loads(dashboard.DASHBOARD_FILE.read_text())

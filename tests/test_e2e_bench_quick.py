@@ -25,7 +25,9 @@ import pytest
 from embedfleet.benchmarks import report as rpt
 from tests.support.background_bench import BACKGROUND_BENCH, PEERS, WORKLOADS
 
-pytestmark = pytest.mark.cluster
+# After the other cluster tests (conftest orders by `late`): the run this test reads started
+# beside the first ones, and every later cluster test waits for it to end.
+pytestmark = [pytest.mark.cluster, pytest.mark.late(1)]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -121,6 +121,12 @@ class AdmissionConfig(_Strict):
     queue_timeout_s: PositiveFloat = Field(
         default=30, description="How long a call may wait for budget before it gets 429.")
     max_waiting: PositiveInt = Field(default=1024, description="Calls queued per replica.")
+    large_call_tokens: PositiveInt | None = Field(
+        default=None, description="An interactive call with more tokens than this (chunks "
+        "included) is scheduled as bulk work: in runs admitted one by one, behind interactive "
+        "calls, so one large request is one slow client and never a stalled card. None = an "
+        "eighth of an engine step (engine.max_num_batched_tokens): a run that size is a short "
+        "wait for a query on any card.")
     bulk_max_waiting: PositiveInt | None = Field(
         default=None, description="Of max_waiting, the most bulk-lane calls that may queue (None "
         "= half); the rest is kept for interactive calls. Past it, bulk gets 429.")
@@ -143,6 +149,34 @@ class AdmissionConfig(_Strict):
                              f"below admission.max_waiting ({self.max_waiting}), so interactive "
                              "calls always have room to queue")
         return self
+
+
+# Characters a token may take, for the character bound derived from the token bound: English
+# text runs about 4-5 characters a token in the BERT and Qwen tokenizers, so text at the token
+# bound is well inside the characters bound, and a body far past it is refused before it is
+# tokenised at all.
+CHARS_PER_TOKEN_BOUND = 8
+# A request's default token bound, in engine steps of ``max_num_batched_tokens``: a few full steps
+# of the card, so one request's work is seconds on a card, never minutes.
+REQUEST_STEPS_BOUND = 4
+
+
+class RequestLimits(_Strict):
+    """Bounds on one request's work, checked before the expensive part on every route.
+
+    Characters are checked at the ingress, from the parsed body, before anything is tokenised;
+    tokens after tokenising, before anything reaches the engine (chunks and their overlap
+    counted: that is the engine's work). Past either, 413 with the limit and the value."""
+
+    max_tokens: PositiveInt | None = Field(
+        default=None, description="Tokens one call may send to the engine (a whole request on "
+        "an engine that takes HTTP itself, a slice of up to 128 inputs behind the Router), "
+        "chunk windows and their overlap included; also the most tokens /tokenize returns. "
+        "None = REQUEST_STEPS_BOUND engine steps (engine.max_num_batched_tokens each).")
+    max_chars: PositiveInt | None = Field(
+        default=None, description="Characters of one request's texts, all inputs together, "
+        "checked before tokenising. None = CHARS_PER_TOKEN_BOUND x the token bound, so text "
+        "that fits the token bound is never refused by it.")
 
 
 class MonitoringConfig(_Strict):
@@ -175,6 +209,20 @@ class ModelConfig(_Strict):
         description="Default for inputs longer than the model's context; requests may override.")
     prompts: PromptTemplates | None = Field(
         default=None, description="Named instruction templates a request picks by prompt_name.")
+    limits: RequestLimits = RequestLimits()
+
+    @property
+    def max_request_tokens(self) -> int:
+        """``limits.max_tokens``, or its default from the card's step budget."""
+        return self.limits.max_tokens or REQUEST_STEPS_BOUND * self.engine.max_num_batched_tokens
+
+    @property
+    def max_request_chars(self) -> int:
+        return self.limits.max_chars or CHARS_PER_TOKEN_BOUND * self.max_request_tokens
+
+    @property
+    def large_call_tokens(self) -> int:
+        return self.admission.large_call_tokens or max(1, self.engine.max_num_batched_tokens // 8)
 
     @property
     def budget_ceiling(self) -> Ceiling:

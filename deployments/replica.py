@@ -23,10 +23,9 @@ import uuid
 from typing import Any
 
 from embedfleet.deployments import metrics
-from embedfleet.deployments.api.tei import tokenize_tei
 from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig, parse_config
 from embedfleet.deployments.contracts import (CanaryView, EmbedCall, EmbedResult, Fingerprint,
-                                              ReplicaDescription, RoutingStats)
+                                              Lane, ReplicaDescription, RoutingStats)
 from embedfleet.deployments.control.governor import RayMetricsSink
 from embedfleet.deployments.control.health_probe import HealthProbe
 from embedfleet.deployments.control.limits import LimitsFollower
@@ -44,6 +43,7 @@ from embedfleet.deployments.request_path.admission import AdmissionBudget
 from embedfleet.deployments.request_path.fingerprint import model_digest
 from embedfleet.deployments.request_path.long_input import SpecialTokens
 from embedfleet.deployments.request_path.replica_path import RequestPath
+from embedfleet.deployments.request_path.tokenize import TokenizeQueue
 
 logger = logging.getLogger("embedfleet.replica")
 
@@ -126,7 +126,14 @@ class EngineReplica:
             prompts=m.prompts, reads_cache=lambda: self.prefix.reads_cache,
             fingerprint=self.fingerprint, replica_id=self.replica_id,
             hold_s=m.replicas.cold_start_hold_s, retry_after_s=cfg.router.retry_after_s,
-            recorder=self.recorder, card_tags={"node": self.card.node, "device": self.card.device})
+            recorder=self.recorder, card_tags={"node": self.card.node, "device": self.card.device},
+            max_tokens=m.max_request_tokens, large_call_tokens=m.large_call_tokens)
+        self.tokenizer = TokenizeQueue(
+            model=model_name, max_inputs=cfg.router.max_inputs_per_request,
+            max_chars=m.max_request_chars, max_tokens=m.max_request_tokens,
+            queue_timeout_s=m.admission.queue_timeout_s,
+            on_reject=lambda why: self.recorder.inc("embedfleet_overload_rejections_total", 1,
+                                                    {"model": model_name, "reason": why}))
         if engine.info.prefix_caching:
             await self.prefix.prove()  # prove cache hits before serving; switches off on failure
         self.follower = LimitsFollower(
@@ -196,9 +203,10 @@ class EngineReplica:
         return await self.path.embed(call)
 
     async def tokenize_tei(self, texts: list[str], add_special_tokens: bool = True,
-                           prompt_name: str | None = None) -> list:
-        return tokenize_tei(self.path.hf_tokenizer, self.path.preparer.prompted(
-            texts, prompt_name), add_special_tokens)
+                           prompt_name: str | None = None, lane: Lane = "interactive") -> list:
+        return await self.tokenizer.tokenize(
+            self.path.hf_tokenizer, self.path.preparer.prompted(texts, prompt_name),
+            add_special_tokens, lane)
 
     def describe(self) -> ReplicaDescription:
         return self.reporter.describe()

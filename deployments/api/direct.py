@@ -29,7 +29,7 @@ from fastapi import FastAPI
 
 from embedfleet.deployments.api.router import FleetView, mount_routes, new_api, serve_api_keys
 from embedfleet.deployments.api.routes import ApiRoutes
-from embedfleet.deployments.contracts import EmbedCall, EmbedResult
+from embedfleet.deployments.contracts import EmbedCall, EmbedResult, Lane
 from embedfleet.deployments.engine.lifecycle import DEFAULT_ENGINE_FACTORY
 from embedfleet.deployments.errors import EngineUnavailable
 from embedfleet.deployments.options import direct_model_share, request_bound_s
@@ -66,8 +66,8 @@ class DirectEngineCore(EngineReplica):
                 retry_after_s=self.cfg.router.retry_after_s) from None
 
     async def _tokenize(self, model: str, texts: list[str], add_special_tokens: bool,
-                        prompt_name: str | None) -> list:
-        return await self.tokenize_tei(texts, add_special_tokens, prompt_name)
+                        prompt_name: str | None, lane: Lane) -> list:
+        return await self.tokenize_tei(texts, add_special_tokens, prompt_name, lane)
 
 
 def direct_deployment(app: FastAPI | None = None) -> type:

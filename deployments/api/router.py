@@ -90,8 +90,8 @@ class RouterCore:
         self._background = [loop.create_task(self.recorder.flush_forever()),
                             loop.create_task(self.readiness.refresh_forever())]
         self.api = ApiRoutes(cfg, EmbedPipeline(cfg, callers), self.fleet.status,
-                             lambda model, texts, special, prompt:
-                             engines[model].tokenize_tei.remote(texts, special, prompt),
+                             lambda model, texts, special, prompt, lane:
+                             engines[model].tokenize_tei.remote(texts, special, prompt, lane),
                              self.recorder)
 
 

@@ -27,16 +27,16 @@ from embedfleet.deployments.api.tei import (parse_tei_embed_request, parse_tei_t
                                             tei_embed_response, tei_to_pipeline,
                                             tei_tokenize_response)
 from embedfleet.deployments.config import EmbedfleetConfig
-from embedfleet.deployments.contracts import BatchCall, BatchResult, FleetStatus
+from embedfleet.deployments.contracts import BatchCall, BatchResult, FleetStatus, Lane
 from ray.serve.exceptions import BackPressureError
 
 from embedfleet.deployments.errors import EmbedfleetError, EngineUnavailable, NotReady, \
     Overloaded, error_response, internal_error_response
 from embedfleet.deployments.request_path.pipeline import (REPLICAS_HEADER, EmbedPipeline,
-                                                         EmbedRequest)
+                                                         EmbedRequest, check_request_size)
 from embedfleet.deployments.request_path.remote import REPLICA_GONE
 
-Tokenizer = Callable[[str, list[str], bool, str | None], Awaitable[list]]
+Tokenizer = Callable[[str, list[str], bool, str | None, Lane], Awaitable[list]]
 
 
 class ApiRoutes:
@@ -145,12 +145,14 @@ class ApiRoutes:
                 await read_json_body(request, self.cfg.router.max_body_bytes))
             model = req.model or self._default_model
             seen.append(model)
-            self.pipeline.resolve(model)
+            # the same bounds as /embed before any work: inputs, characters (413)
+            check_request_size(self.cfg, self.pipeline.resolve(model), req.inputs, "inputs")
+            lane = request_lane(request, None)
             router = self.cfg.router
             try:
                 tokens = await asyncio.wait_for(
-                    self._tokenize(model, req.inputs, req.add_special_tokens, req.prompt_name),
-                    timeout=router.request_timeout_s)
+                    self._tokenize(model, req.inputs, req.add_special_tokens, req.prompt_name,
+                                   lane), timeout=router.request_timeout_s)
             except asyncio.TimeoutError:  # no answer in time: the server's state, not a 500
                 raise EngineUnavailable(
                     f"model '{model}' did not tokenise within {router.request_timeout_s:g}s",
@@ -179,14 +181,19 @@ class ApiRoutes:
                            ) from None
 
     async def models(self) -> Response:
+        """The served models. A card is named by its device alone unless the operator set
+        ``router.expose_replica_details``: node names are addresses by default, and neither
+        they nor process ids are a client's business."""
         st = await self._fleet()
+        hidden = None if self.cfg.router.expose_replica_details else {"node", "pid"}
         data = [{
             "id": m.model, "object": "model", "created": self.started, "owned_by": "embedfleet",
             "max_input_tokens": m.max_input_tokens, "dimensions": m.dimensions,
             "matryoshka_dimensions": m.matryoshka_dimensions,
             "replicas": {"ready": m.ready, "min": m.min_replicas, "max": m.max_replicas,
                          "state": m.state, "waiting": m.waiting,
-                         "cards": [c.model_dump(mode="json") for c in m.cards]},
+                         "cards": [c.model_dump(mode="json", exclude=hidden)
+                                   for c in m.cards]},
             "prefix_cache": m.prefix_cache.model_dump(mode="json"),
         } for m in st.models]
         return json_response({"object": "list", "data": data})

@@ -20,7 +20,8 @@ from embedfleet.deployments import metrics
 from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig
 from embedfleet.deployments.contracts import (EmbedCall, EmbedResult, InputReport, Lane,
                                               merged_headers)
-from embedfleet.deployments.errors import ModelNotFound, Overloaded, TooManyInputs
+from embedfleet.deployments.errors import (ModelNotFound, Overloaded, RequestTooLarge,
+                                           TooManyInputs, clip)
 from embedfleet.deployments.options import router_model_share
 from embedfleet.deployments.request_path.long_input import LongInputPolicy
 
@@ -76,6 +77,30 @@ def request_policy(default: LongInputPolicy, req: EmbedRequest) -> LongInputPoli
     return default.model_copy(update=update) if update else None
 
 
+def check_request_size(cfg: EmbedfleetConfig, m: ModelConfig, inputs: list, param: str) -> None:
+    """The bounds a request's body decides before anything is tokenised, for every route: the
+    number of inputs (422), their characters (text) or tokens (token ids) against the model's
+    ``limits`` (413). Token counts of text are checked at the replica, once tokenised."""
+    limit = cfg.router.max_inputs_per_request
+    if len(inputs) > limit:
+        raise TooManyInputs(f"{param} has {len(inputs)} items; at most {limit} per request",
+                            param=param)
+    if not inputs:
+        return
+    if isinstance(inputs[0], str):
+        chars, bound = sum(len(t) for t in inputs), m.max_request_chars
+        if chars > bound:
+            raise RequestTooLarge(
+                f"{param} has {chars} characters in all, more than model '{m.name}''s "
+                f"limits.max_chars of {bound}; split it over several requests", param=param)
+        return
+    tokens, bound = sum(len(ids) for ids in inputs), m.max_request_tokens
+    if tokens > bound:
+        raise RequestTooLarge(
+            f"{param} has {tokens} tokens in all, more than model '{m.name}''s "
+            f"limits.max_tokens of {bound}; split it over several requests", param=param)
+
+
 class EmbedPipeline:
     def __init__(self, cfg: EmbedfleetConfig, callers: dict[str, Caller],
                  share: int | None = None) -> None:
@@ -99,18 +124,15 @@ class EmbedPipeline:
         m = self._models.get(name)
         if m is None or name not in self._callers:
             known = ", ".join(sorted(self._callers))
-            raise ModelNotFound(f"model '{name}' does not exist; served models: {known}",
+            raise ModelNotFound(f"model {clip(name)} does not exist; served models: {known}",
                                 param="model")
         return m
 
     def check(self, req: EmbedRequest) -> ModelConfig:
         """Every check that depends on the model or the router's limits, in one order for every
-        API: the model exists (404), then the request's size (422)."""
+        API: the model exists (404), then the request's size (422, 413)."""
         m = self.resolve(req.model)
-        limit = self.cfg.router.max_inputs_per_request
-        if len(req.inputs) > limit:
-            raise TooManyInputs(f"{req.param} has {len(req.inputs)} items; at most {limit} per "
-                                "request", param=req.param)
+        check_request_size(self.cfg, m, req.inputs, req.param)
         return m
 
 

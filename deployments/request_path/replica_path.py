@@ -5,7 +5,12 @@ it admits calls by sequences and tokens (the governor's budget) and hands admitt
 to the engine, whose own scheduler (vLLM's) batches them. There is no batcher in between:
 vLLM re-batched whatever a batcher grouped, so it only added a wait and a copy. A bulk-lane call
 is admitted and sent in runs of at most what bulk may hold in flight (``_run_end``), so queries
-arriving during a flood find drain-sized engine steps ahead of them.
+arriving during a flood find drain-sized engine steps ahead of them. A large interactive call
+(more than ``large_call_tokens``: many inputs, or one long input's chunks) is scheduled the same
+way, as bulk work: one giant request is one slow client, never a stalled card.
+
+A call's tokens are bounded (``max_tokens``, the model's ``limits``) once it is tokenised and
+planned, before any of it is admitted: 413 past it.
 
 Tokenizing long inputs moves off the event loop (a thread), so one big request does not stall
 every other call's bookkeeping; a short one is tokenized in place (a thread hop costs more).
@@ -24,7 +29,7 @@ from embedfleet.deployments import metrics
 from embedfleet.deployments.contracts import EmbedCall, EmbedResult, Fingerprint, Lane
 from embedfleet.deployments.engine.gate import EngineGate
 from embedfleet.deployments.engine.vllm_engine import Embedding, EmbeddingEngine, EngineInfo
-from embedfleet.deployments.errors import EmbedfleetError, EngineUnavailable
+from embedfleet.deployments.errors import EmbedfleetError, EngineUnavailable, RequestTooLarge
 from embedfleet.deployments.request_path.admission import AdmissionBudget
 from embedfleet.deployments.request_path.inputs import InputPreparer, PreparedCall
 from embedfleet.deployments.request_path.long_input import SpecialTokens
@@ -44,8 +49,11 @@ class RequestPath:
                  long_input: LongInputPolicy, prompts: PromptTemplates | None,
                  reads_cache: Callable[[], bool], fingerprint: Callable[[], Fingerprint],
                  replica_id: str, hold_s: float, retry_after_s: float,
-                 recorder: metrics.Batched, card_tags: dict[str, str]) -> None:
+                 recorder: metrics.Batched, card_tags: dict[str, str], max_tokens: int,
+                 large_call_tokens: int) -> None:
         self.model = model
+        self.max_tokens = max_tokens
+        self._large_call_tokens = large_call_tokens
         self._gate = gate
         self.queue = queue
         self._long_input = long_input
@@ -80,7 +88,14 @@ class RequestPath:
     async def embed(self, call: EmbedCall) -> EmbedResult:
         t0 = time.perf_counter()
         prepared = await self._prepare(call)
-        out = await self._runs(prepared.pieces, call)
+        if prepared.piece_tokens > self.max_tokens:
+            raise RequestTooLarge(
+                f"the request's inputs make {prepared.piece_tokens} tokens to embed (chunk "
+                f"windows included), more than model '{self.model}''s limits.max_tokens of "
+                f"{self.max_tokens}; split it over several requests", param=self.preparer.param)
+        lane: Lane = ("bulk" if call.lane == "bulk"
+                      or prepared.piece_tokens > self._large_call_tokens else "interactive")
+        out = await self._runs(prepared.pieces, call, lane)
         vectors = self.preparer.finish(prepared, [e.vector for e in out],
                                        dimensions=call.dimensions, normalize=call.normalize)
         cached = sum(e.num_cached_tokens for e in out)
@@ -90,18 +105,20 @@ class RequestPath:
                            prepared.input_tokens, cached, self._replica_id, self.fingerprint(),
                            report)
 
-    async def _runs(self, pieces: list[list[int]], call: EmbedCall) -> list[Embedding]:
+    async def _runs(self, pieces: list[list[int]], call: EmbedCall, lane: Lane
+                    ) -> list[Embedding]:
         """The call's pieces through the owner queue and the engine: one run for an interactive
-        call, bulk in drain-sized runs (``_run_end``), each run after the first at the head of
-        bulk's queue. One call's vectors come from one engine (the chunks of a long input are
-        merged): a swap between two runs (prefix caching switched) sends the call again."""
+        call, bulk (and a large call, scheduled as bulk: ``lane``) in drain-sized runs
+        (``_run_end``), each run after the first at the head of bulk's queue. One call's vectors
+        come from one engine (the chunks of a long input are merged): a swap between two runs
+        (prefix caching switched) sends the call again."""
         for _ in range(SWAP_RESENDS + 1):
             out: list[Embedding] = []
             engines: list[EmbeddingEngine] = []
             start = 0
             while start < len(pieces):
-                end = self._run_end(pieces, start, call.lane)
-                got, engine = await self._admitted_run(pieces[start:end], call, start > 0)
+                end = self._run_end(pieces, start, lane, call.lane)
+                got, engine = await self._admitted_run(pieces[start:end], call, lane, start > 0)
                 out += got
                 engines.append(engine)
                 start = end
@@ -110,33 +127,38 @@ class RequestPath:
         raise EngineUnavailable(f"replica {self._replica_id}: its engine was replaced under "
                                 "every run of a bulk call", retry_after_s=self._retry_after_s)
 
-    def _run_end(self, pieces: list[list[int]], start: int, lane: Lane) -> int:
+    def _run_end(self, pieces: list[list[int]], start: int, lane: Lane,
+                 call_lane: Lane = "bulk") -> int:
         """Where the run that starts at ``start`` ends. A bulk call goes to the engine in runs of
         at most the tokens bulk may hold in flight now (``AdmissionBudget.bulk_token_cap``: what
         the card drains in ``bulk_max_drain_s`` while queries come), each admitted on its own:
         vLLM cannot pause a step, so a query arriving during a flood waits for the bulk work
         already in the engine, and a whole 32-text call was the floor of that wait (145 ms a
         step on one core of this machine). Within bulk's sequence share too, so a run is never
-        oversize. At least one piece per run: a piece is not split."""
+        oversize. At least one piece per run: a piece is not split. A large interactive call's
+        runs are also at most ``large_call_tokens``: until the card's drain rate is known,
+        bulk's cap is its whole share, a second or more of work on a slow card."""
         if lane != "bulk":
             return len(pieces)
         cap, end, tokens = self.queue.bulk_token_cap, start + 1, len(pieces[start])
+        if call_lane != "bulk":
+            cap = min(cap, self._large_call_tokens)
         stop = min(len(pieces), start + self.queue.bulk_seq_cap)
         while end < stop and tokens + len(pieces[end]) <= cap:
             tokens += len(pieces[end])
             end += 1
         return end
 
-    async def _admitted_run(self, run: list[list[int]], call: EmbedCall, follows: bool
-                            ) -> tuple[list[Embedding], EmbeddingEngine]:
-        """One run admitted, then embedded; with the engine that embedded it."""
+    async def _admitted_run(self, run: list[list[int]], call: EmbedCall, lane: Lane,
+                            follows: bool) -> tuple[list[Embedding], EmbeddingEngine]:
+        """One run admitted in ``lane``, then embedded; with the engine that embedded it."""
         n_tokens = sum(len(p) for p in run)
-        async with self.queue.admit(len(run), n_tokens, lane=call.lane, follows=follows):
+        async with self.queue.admit(len(run), n_tokens, lane=lane, follows=follows):
             self.inflight_sequences += len(run)
             self.inflight_tokens += n_tokens
             self._rec.observe("embedfleet_engine_batch_size", len(run), self._tag)
             try:
-                return await self._engine_call(run, call.normalize, LANE_PRIORITY[call.lane])
+                return await self._engine_call(run, call.normalize, LANE_PRIORITY[lane])
             finally:
                 self.inflight_sequences -= len(run)
                 self.inflight_tokens -= n_tokens

@@ -30,17 +30,19 @@ def gate_of(next_engine: Callable[[], Any]) -> SimpleNamespace:
 
 
 def request_path_over(next_engine: Callable[[], Any], budget: Any,
-                      pieces: list[list[int]]) -> RequestPath:
+                      pieces: list[list[int]], *, max_tokens: int = 1 << 30,
+                      large_call_tokens: int = 1 << 30) -> RequestPath:
     path = object.__new__(RequestPath)  # the path's own embed(), around stand-ins of its parts
     prepared = SimpleNamespace(pieces=pieces, piece_tokens=sum(map(len, pieces)),
                                input_tokens=sum(map(len, pieces)), report=lambda: ())
     path.__dict__.update(
+        model="m", max_tokens=max_tokens, _large_call_tokens=large_call_tokens,
         queue=budget, _gate=gate_of(next_engine), _hold_s=1.0, _retry_after_s=1.0,
         _reads_cache=lambda: True, _replica_id="r", _rec=metrics.Batched(),
         _tag={"model": "m"}, _card_tag={"model": "m", "node": "n", "device": "0"},
         inflight_sequences=0, inflight_tokens=0, engine_failed=False,
         fingerprint=lambda: Fingerprint("d", "float32", "e", "cpu", False),
-        preparer=SimpleNamespace(finish=lambda p, vecs, **kw: vecs))
+        preparer=SimpleNamespace(finish=lambda p, vecs, **kw: vecs, param="input"))
 
     async def prepare(call):
         return prepared

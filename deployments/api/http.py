@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from embedfleet.deployments.errors import (BodyTooLarge, EmbedfleetError, InvalidJSON,
                                            MethodNotAllowed, RouteNotFound,
-                                           UnsupportedMediaType, error_response,
+                                           UnsupportedMediaType, clip, error_response,
                                            internal_error_response)
 
 
@@ -23,14 +23,22 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 async def read_json_body(request: Request, limit: int) -> Any:
-    """The decoded JSON body, enforcing the size limit before and while reading."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    """The decoded JSON body, enforcing the size limit before and while reading.
+
+    orjson refuses nesting deeper than 1,024 levels (a 400 here); anything shallower reaches
+    the request models, whose errors echo values only through ``errors.clip``.
+    """
+    declared = request.headers.get("content-length", "")
+    # ASCII digits only ('²'.isdigit() is true, int('²') raises); 19 digits or more is too
+    # large for any limit, and int() of thousands of digits would raise
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18
+                                                      or int(declared) > limit):
+        shown = declared if len(declared) <= 20 else clip(declared, 20)
+        raise BodyTooLarge(f"request body of {shown} bytes exceeds the limit of {limit} bytes")
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise UnsupportedMediaType(
-            f"content type must be application/json; got {ctype or 'none'}")
+            f"content type must be application/json; got {clip(ctype) if ctype else 'none'}")
     chunks, size = [], 0
     async for chunk in request.stream():  # a chunked body has no declared length: count it
         size += len(chunk)
@@ -58,9 +66,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 405:
             return error_response(MethodNotAllowed(
-                f"method {request.method} is not allowed on {request.url.path}"))
+                f"method {clip(request.method)} is not allowed on {clip(request.url.path)}"))
         if exc.status_code == 404:
-            return error_response(RouteNotFound(f"no route {request.method} {request.url.path}"))
+            return error_response(RouteNotFound(
+                f"no route {clip(request.method)} {clip(request.url.path)}"))
         return error_response(EmbedfleetError(str(exc.detail)))
 
     @app.exception_handler(Exception)

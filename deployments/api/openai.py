@@ -17,11 +17,12 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from embedfleet.deployments.contracts import InputReport, Lane
-from embedfleet.deployments.errors import RequestValidation
+from embedfleet.deployments.errors import RequestValidation, clip
 from embedfleet.deployments.request_path.pipeline import EmbedRequest
 
 TokenIds = list[int]
 EncodingFormat = Literal["float", "base64"]
+PARAM_LIMIT = 64  # an unknown parameter's name is the client's: error bodies carry at most this
 
 
 def _bad(code: str, message: str) -> PydanticCustomError:
@@ -179,19 +180,26 @@ def parse_embedding_request(data: Any) -> EmbeddingRequest:
 
 
 def validation_error(err: ValidationError) -> RequestValidation:
-    """The first pydantic error as an OpenAI-style error naming its parameter."""
-    e = err.errors()[0]
-    param = ".".join(str(p) for p in e["loc"]) or None
+    """The first pydantic error as an OpenAI-style error naming its parameter.
+
+    What it echoes of the body goes through ``clip``: bounded in length, and in depth - the
+    value may be JSON nested as deep as the parser allows (1,024 levels), deeper than any
+    encoder or ``repr`` will follow.
+    """
+    e = err.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    top = str(e["loc"][0]) if e["loc"] else None
     if e["type"] == "missing":
-        msg = f"'{param}' is a required property"
-    elif e["type"] == "extra_forbidden":
-        msg = f"unrecognized request argument supplied: {param}"
+        msg = f"'{loc}' is a required property"
+    elif e["type"] == "extra_forbidden":  # the name is the client's: echo it bounded
+        msg = f"unrecognized request argument supplied: {clip(loc)}"
+        if top is not None and len(top) > PARAM_LIMIT:
+            top = top[:PARAM_LIMIT] + "…"
     else:
-        msg = f"invalid '{param}': {e['msg']}"
+        msg = f"invalid '{loc}': {e['msg']}"
         if e["type"].endswith("_type") or e["type"] == "literal_error":
-            # decode before cutting: slicing the UTF-8 bytes could split a character
-            msg += f" (got {orjson.dumps(e.get('input'), default=str).decode()[:100]})"
-    return RequestValidation(msg, param=param.split(".")[0] if param else None)
+            msg += f" (got {clip(e.get('input'))})"
+    return RequestValidation(msg, param=top)
 
 
 def encode_vector(vec: np.ndarray, encoding: EncodingFormat) -> Any:

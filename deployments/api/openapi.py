@@ -24,7 +24,8 @@ from embedfleet.deployments.contracts import CardStatus, ModelStatus, PrefixCach
 from embedfleet.deployments.errors import (BodyTooLarge, EmbedfleetError, EngineUnavailable,
                                            InputTooLong, InvalidJSON, InvalidParameterValue,
                                            InvalidTokenId, ModelNotFound, NotReady, Overloaded,
-                                           RequestValidation, TooManyInputs, Unauthorized,
+                                           RequestTooLarge, RequestValidation, TooManyInputs,
+                                           Unauthorized,
                                            LaneNotAllowed,
                                            UnsupportedMediaType, UnsupportedParameter)
 
@@ -48,13 +49,21 @@ class ErrorBody(BaseModel):
 ModelState = ModelStatus.model_fields["state"].annotation
 
 
+class PublicCard(CardStatus):
+    """A card as /v1/models shows it: its node and its replica's pid only with
+    ``router.expose_replica_details`` (routes.py)."""
+
+    node: str | None = None
+    pid: int | None = None
+
+
 class ModelReplicas(BaseModel):
     ready: int
     min: int
     max: int
     state: ModelState
     waiting: str
-    cards: list[CardStatus]
+    cards: list[PublicCard]
 
 
 class ModelCard(BaseModel):
@@ -103,14 +112,16 @@ class NotReadyBody(ErrorBody, Readiness):
 # A 500 (errors.InternalError) is a bug, so it is never documented: a fuzzer must flag it.
 AUTH = (Unauthorized,)  # only when the app has API keys (api/auth.py); /health is always open
 BODY = (InvalidJSON, BodyTooLarge, UnsupportedMediaType, RequestValidation)  # read + parse
-EMBED = (LaneNotAllowed, ModelNotFound, TooManyInputs, UnsupportedParameter, InvalidParameterValue,
-         InputTooLong, Overloaded, NotReady, EngineUnavailable)  # the pipeline, every API
+EMBED = (LaneNotAllowed, ModelNotFound, TooManyInputs, RequestTooLarge, UnsupportedParameter,
+         InvalidParameterValue, InputTooLong, Overloaded, NotReady,
+         EngineUnavailable)  # the pipeline, every API
 ROUTE_ERRORS: dict[str, tuple[type[EmbedfleetError], ...]] = {
     "/v1/embeddings": AUTH + BODY + EMBED + (InvalidTokenId,),  # token-id input: OpenAI only
     "/embed": AUTH + BODY + EMBED,
-    # the model's own tokenizer, bounded by request_timeout_s (503 when it does not answer,
-    # 429 when Serve's queue for the model is full)
-    "/tokenize": AUTH + BODY + (ModelNotFound, UnsupportedParameter, Overloaded,
+    # the model's own tokenizer: the request bounds (422, 413), the replica's tokenize queue
+    # (429), request_timeout_s (503 when it does not answer)
+    "/tokenize": AUTH + BODY + (LaneNotAllowed, InvalidParameterValue, ModelNotFound,
+                                TooManyInputs, RequestTooLarge, UnsupportedParameter, Overloaded,
                                 EngineUnavailable),
     # 503 when the registry (the fleet's status) does not answer in time
     "/v1/models": AUTH + (NotReady,),

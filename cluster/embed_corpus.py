@@ -1,104 +1,59 @@
 """``embedfleet embed-corpus INPUT --model M --out DIR``: a whole corpus through the serving fleet.
 
 A Ray Data job. On a card the job cannot start engines of its own (the serving replicas already
-hold the cards' memory), so its workers send batches to the Router's Serve handle
+hold the cards' memory), so its workers send batches to the app's Serve handle
 (``Router.embed_batch``) on the **bulk** lane: the online pipeline (the same prompts, chunking and
 long-input policy, so the same vectors) at low priority, with interactive queries served first.
 
 * Input: JSONL or Parquet files (a file or a folder of them) with ``id``, ``text`` and an
-  optional ``prompt_name``. Ids must be unique.
+  optional ``prompt_name``.
 * Output: Parquet parts in ``--out`` (``id``, ``embedding``, ``tokens``, ``fingerprint``), one
-  per input block Ray Data hands a worker. The driver writes each part to a temporary name and
-  renames it, so a part is whole or absent.
-* Resumable: a rerun reads the ids of the finished parts and sends only the rest, so a job
-  killed at any point and run again loses and duplicates no id. A rerun against a fleet whose
-  model fingerprint differs from the parts already written stops, naming both.
+  per input block a worker handles, and ``errors.jsonl``: one line per refused row (``id``,
+  ``code``, ``message``, ``row``). Every input row ends in exactly one of the two, also across a
+  kill and a resume (``corpus_out`` says how).
+* A row is refused, and the job goes on, when it is invalid (not JSON, no id, an id on several
+  rows, an empty or non-string text: ``corpus_input``) or when the fleet refuses it (e.g. a text
+  over the model's context under ``--long-input reject``). ``--long-input`` is passed with every
+  call, as ``long_input`` is on ``/v1/embeddings``; without it, the model's configured policy.
+* A call answered 4xx for one of its rows loses none of the others: a refusal that names its
+  input (``input[k]``) refuses that row and sends the rest again; one that names none is
+  bisected down to the row. Calls = 1 + refused rows (named), or ~2 log2(batch) per refused row.
 * 429/503 (the bulk lane's bound, a replica being replaced) are retried after their
-  ``Retry-After``; a 4xx (a text the model's long-input policy rejects) stops the job naming the
-  id.
+  ``Retry-After``, for up to ``--max-retry-s`` per call.
+* Resumable: a rerun sends only the rows in neither a part nor errors.jsonl. A rerun against a
+  fleet whose model fingerprint differs from the parts already written stops, naming both.
+
+Exit status: 0 every row is embedded; 2 the job finished and some rows are refused (the summary
+counts them by code; errors.jsonl says which and why); 1 the job could not finish (another job
+writes to --out, the fleet refused the job itself, e.g. an unknown model, a call kept failing
+past --max-retry-s, a fingerprint changed, or a bad command line).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import logging
 import re
-import concurrent.futures as cf
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from embedfleet.cluster.corpus_input import (CorpusError, Refusal, id_problem, input_files,
+                                             missing, parse_line, scan, text_problem)
+from embedfleet.cluster.corpus_out import (ERRORS, MIXED, ErrorLog, OutLock, Progress,
+                                           finished_parts, take_block)
 
-PART_GLOB = "part-*.parquet"
-MIXED = "mixed"  # the calls of one block were answered by replicas of different fingerprints
 RETRYABLE_STATUS = (429, 503)
-
-
-class CorpusError(Exception):
-    """The job cannot go on (bad input, a rejected text, a fingerprint that changed)."""
-
-
-def input_files(path: Path) -> tuple[str, list[str]]:
-    """("json" | "parquet", the files) of INPUT: a file, or a folder of one kind of file."""
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-    kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-    found = {kinds.get(p.suffix) for p in files}
-    if not files or None in found or len(found) != 1:
-        raise CorpusError(f"{path}: expected .jsonl or .parquet files (one kind), found "
-                          f"{sorted(p.name for p in files)[:5] or 'nothing'}")
-    return found.pop(), [str(p.resolve()) for p in files]
-
-
-def finished_ids(out: Path) -> tuple[set[Any], str | None]:
-    """The ids already in finished parts, and the fingerprint they were embedded with."""
-    import pyarrow.parquet as pq
-
-    done: set[Any] = set()
-    prints: set[str] = set()
-    for part in sorted(out.glob(PART_GLOB)):
-        table = pq.read_table(part, columns=["id", "fingerprint"])
-        done.update(table.column("id").to_pylist())
-        prints.update(table.column("fingerprint").unique().to_pylist())
-    if len(prints) > 1:
-        raise CorpusError(f"{out} holds parts of several fingerprints {sorted(prints)}; "
-                          "use one --out per model version")
-    return done, next(iter(prints), None)
-
-
-def count_rows(kind: str, files: list[str]) -> int:
-    """Rows of the input, checking that each file has ``id`` and ``text`` (the first row of a
-    JSONL file, the schema of a Parquet one)."""
-    import json
-
-    import pyarrow.parquet as pq
-
-    total = 0
-    for f in files:
-        if kind == "parquet":
-            meta = pq.read_metadata(f)
-            names, rows = set(meta.schema.names), meta.num_rows
-        else:
-            names, rows = set(), 0
-            with open(f, "rb") as fh:
-                for line in fh:
-                    if line.strip():
-                        if not rows:
-                            try:
-                                names = set(json.loads(line))
-                            except ValueError as err:
-                                raise CorpusError(f"{f}: line 1 is not JSON ({err})") from None
-                        rows += 1
-        missing = {"id", "text"} - names
-        if rows and missing:
-            raise CorpusError(f"{f}: no {sorted(missing)} field (each row needs id and text, "
-                              "and may have prompt_name)")
-        total += rows
-    return total
+# Statuses a single row can cause (a text too long, a call's text too large in all); any other
+# refusal (401/403 a key, 404 the model, 422 the call's shape, 5xx) is about the job: it stops.
+ROW_STATUS = (400, 413)
+LONG_INPUT_MODES = ("truncate", "chunk", "reject")
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -107,7 +62,10 @@ class JobSettings:
     model: str
     batch_size: int  # texts per call to the Router
     inflight: int  # calls each worker keeps in flight
-    max_retry_s: float  # how long one batch may keep getting 429/503 before the job stops
+    max_retry_s: float  # how long one call may keep getting 429/503 before the job stops
+    long_input: str | None = None  # None: the model's configured policy
+    kind: str = "json"  # the input's files: "json" (lines, parsed here) or "parquet"
+    id_kind: str | None = None  # the corpus's ids: "str" or "int" (corpus_input.scan)
 
 
 def fingerprint_of(headers: dict[str, str]) -> str:
@@ -116,207 +74,221 @@ def fingerprint_of(headers: dict[str, str]) -> str:
                     for k in ("model-digest", "dtype", "engine", "platform"))
 
 
-class BatchEmbedder:
-    """A Ray Data worker: one input block in, its rows' vectors out, through the Router."""
+def named_input(message: str, n: int) -> int | None:
+    """The input a refusal names (the pipeline says ``input[k]``; a call is one slice, <= 128
+    texts, so k is the call's own position), or None."""
+    m = re.match(r"(?:input|texts)\[(\d+)\]", message)
+    return int(m.group(1)) if m and int(m.group(1)) < n else None
 
-    def __init__(self, settings: JobSettings, done_ref: Any) -> None:
+
+def output_schema(id_kind: str | None) -> Any:
+    import pyarrow as pa
+
+    return pa.schema([("id", pa.int64() if id_kind == "int" else pa.string()),
+                      ("embedding", pa.list_(pa.float32())), ("tokens", pa.int64()),
+                      ("fingerprint", pa.string()), ("code", pa.string()),
+                      ("message", pa.string())])
+
+
+class BatchEmbedder:
+    """A Ray Data worker: one input block in; its rows' vectors, and its refused rows, out."""
+
+    def __init__(self, settings: JobSettings, skip_ref: Any) -> None:
         import ray
         from ray import serve
 
         self.settings = settings
-        self.done = ray.get(done_ref) if done_ref is not None else frozenset()
+        self.skip = ray.get(skip_ref) if skip_ref is not None else frozenset()
         # the app's ingress: the Router, or a one-model app's engine replicas (router.ingress)
         self.router = serve.get_app_handle(settings.app)
         self.pool = cf.ThreadPoolExecutor(settings.inflight)
 
-    def _call(self, texts: list[str], prompt: str | None, ids: list[Any]) -> Any:
+    def _call(self, texts: list[str], prompt: str | None, first_id: Any) -> Any:
+        """One call, retried while the fleet answers 429/503; other refusals are raised."""
         from ray.serve.exceptions import BackPressureError
 
         from embedfleet.deployments.contracts import BatchCall
         from embedfleet.deployments.errors import EmbedfleetError
         from embedfleet.deployments.request_path.remote import REPLICA_GONE
 
-        call = BatchCall(self.settings.model, texts, prompt, "bulk")
+        call = BatchCall(self.settings.model, texts, prompt, "bulk", self.settings.long_input)
         deadline = time.monotonic() + self.settings.max_retry_s
         while True:
             try:
                 return self.router.embed_batch.remote(call).result()
             except EmbedfleetError as err:
                 if err.status not in RETRYABLE_STATUS:
-                    raise CorpusError(f"{refused_row(ids, err.message)} was refused "
-                                      f"({err.status} {err.code}): {err.message}") from None
+                    raise
                 wait, why = err.retry_after_s or 1.0, f"{err.status}: {err.message}"
             except (BackPressureError, *REPLICA_GONE) as err:
                 wait, why = 1.0, type(err).__name__
             if time.monotonic() + wait > deadline:
-                raise CorpusError(f"the batch starting at id {ids[0]!r} could not be served "
+                raise CorpusError(f"the call starting at id {first_id!r} could not be served "
                                   f"for {self.settings.max_retry_s:g}s; last: {why}")
             time.sleep(wait)
 
-    def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, Any]:
-        ids = [_missing_to_none(x) for x in rows["id"].tolist()]
-        texts_in = rows["text"].tolist()
-        prompts_in = (rows["prompt_name"].tolist() if "prompt_name" in rows
-                      else [None] * len(ids))
-        keep: list[int] = []
-        for i, x in enumerate(ids):
-            if x is None:
-                raise CorpusError(f"a row has no id (its text begins {str(texts_in[i])[:40]!r})")
-            if x in self.done:
+    def _embed_run(self, run: list[int], texts: list[str], prompt: str | None,
+                   ids: list[Any]) -> tuple[dict[int, tuple[np.ndarray, int]], list[str],
+                                            list[Refusal]]:
+        """The rows ``run`` (one prompt): their vectors, the calls' fingerprints, the refused."""
+        from embedfleet.deployments.errors import EmbedfleetError
+
+        got: dict[int, tuple[np.ndarray, int]] = {}
+        prints: list[str] = []
+        refused: list[Refusal] = []
+        pending = [run]
+        while pending:
+            rows = pending.pop()
+            try:
+                res = self._call([texts[i] for i in rows], prompt, ids[rows[0]])
+            except EmbedfleetError as err:
+                if err.status not in ROW_STATUS:
+                    raise CorpusError(f"the fleet refused the call starting at id "
+                                      f"{ids[rows[0]]!r} ({err.status} {err.code}): "
+                                      f"{err.message}") from None
+                k = named_input(err.message, len(rows))
+                why = re.sub(r"^(?:input|texts)\[\d+\]", "the text", err.message)
+                if k is not None:  # that row; the others again, without it
+                    refused.append(Refusal(ids[rows[k]], err.code, why))
+                    pending.extend([rows[:k] + rows[k + 1:]] if len(rows) > 1 else [])
+                elif len(rows) == 1 or err.param == "prompt_name":  # the row, or all of one prompt
+                    refused.extend(Refusal(ids[i], err.code, why) for i in rows)
+                else:  # a refusal of the call as a whole (e.g. 413, its texts in all): halves
+                    half = len(rows) // 2
+                    pending.extend([rows[half:], rows[:half]])
                 continue
-            if not isinstance(texts_in[i], str) or not texts_in[i]:
-                raise CorpusError(f"row id {x!r} has no text ({texts_in[i]!r})")
-            keep.append(i)
-        texts = [texts_in[i] for i in keep]
-        prompts = [_missing_to_none(prompts_in[i]) or None for i in keep]
+            for j, i in enumerate(rows):
+                got[i] = (res.vectors[j], res.tokens[j])
+            prints.append(fingerprint_of(res.fingerprint))
+        return got, prints, refused
+
+    def _rows(self, rows: dict[str, np.ndarray]) -> list[tuple[Any, Any, Any]]:
+        """(id, text, prompt_name) of the block's rows; a JSONL block holds raw lines."""
+        if self.settings.kind == "json":
+            out = []
+            for line in rows["text"].tolist():
+                row = parse_line(line)
+                if row is not None:  # a line that is not JSON: refused by the scan
+                    out.append((row.get("id"), row.get("text"), row.get("prompt_name")))
+            return out
+        ids, texts = rows["id"].tolist(), rows["text"].tolist()
+        prompts = rows["prompt_name"].tolist() if "prompt_name" in rows else [None] * len(ids)
+        return list(zip(ids, texts, prompts))
+
+    def __call__(self, rows: dict[str, np.ndarray]) -> Any:
+        import pyarrow as pa
+
+        ids: list[Any] = []
+        texts: list[str] = []
+        prompts: list[str | None] = []
+        refused: list[Refusal] = []
+        for x, text, prompt in self._rows(rows):
+            if id_problem(x, self.settings.id_kind) is not None or x in self.skip:
+                continue  # refused by the scan (ids), or already in a part or errors.jsonl
+            bad = text_problem(text, prompt)
+            if bad is not None:
+                refused.append(Refusal(x, *bad))
+                continue
+            ids.append(x)
+            texts.append(text)
+            prompts.append(None if missing(prompt) or not prompt else prompt)
         # One call per run of the same prompt_name, at most batch_size texts each.
-        calls: list[tuple[int, int]] = []
-        start = 0
-        for k in range(1, len(keep) + 1):
-            if (k == len(keep) or prompts[k] != prompts[start]
-                    or k - start == self.settings.batch_size):
-                calls.append((start, k))
-                start = k
-        futures = [self.pool.submit(self._call, texts[a:b], prompts[a],
-                                    [ids[i] for i in keep[a:b]])
-                   for a, b in calls if b > a]
-        results = [f.result() for f in futures]
-        if not results:
-            return {"id": np.asarray([], dtype=object), "tokens": np.zeros(0, np.int64),
-                    "fingerprint": np.asarray([], dtype=object)}
-        prints = {fingerprint_of(r.fingerprint) for r in results}
-        return {"id": np.asarray([ids[i] for i in keep], dtype=object),
-                "embedding": np.concatenate([r.vectors for r in results]).astype(np.float32),
-                "tokens": np.asarray([t for r in results for t in r.tokens], np.int64),
-                "fingerprint": np.asarray([prints.pop() if len(prints) == 1 else MIXED]
-                                          * len(keep), dtype=object)}
-
-
-def refused_row(ids: list[Any], message: str) -> str:
-    """The row a refusal names (the pipeline says ``input[k]``; calls are one slice, <= 128
-    texts), or the batch's first row when it names none."""
-    m = re.match(r"input\[(\d+)\]", message)
-    if m and int(m.group(1)) < len(ids):
-        return f"row id {ids[int(m.group(1))]!r}"
-    return f"the batch starting at id {ids[0]!r}"
-
-
-def _missing_to_none(x: Any) -> Any:
-    """Ray Data hands a missing value as None, or as NaN in a column it typed as float."""
-    return None if x is None or (isinstance(x, float) and x != x) else x
-
-
-def write_part(out: Path, batch: dict[str, np.ndarray]) -> int:
-    """One finished part, whole or absent (temporary name, then rename). Returns its rows."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    n = len(batch["id"])
-    if n == 0:
-        return 0
-    vectors = np.ascontiguousarray(batch["embedding"], dtype=np.float32)
-    dim = vectors.shape[1]
-    table = pa.table({
-        "id": pa.array(np.asarray(batch["id"]).tolist()),
-        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), dim),
-        "tokens": pa.array(batch["tokens"], pa.int64()),
-        "fingerprint": pa.array([str(x) for x in batch["fingerprint"]], pa.string()),
-    })
-    name = f"part-{uuid.uuid4().hex[:16]}.parquet"
-    tmp = out / f".{name}.tmp"
-    pq.write_table(table, tmp)
-    tmp.rename(out / name)
-    return n
-
-
-class Progress:
-    """rows done / total, tokens/s, texts/s and ETA, at most once a second (stderr)."""
-
-    def __init__(self, total: int, done: int) -> None:
-        self.total, self.done, self.start_done = total, done, done
-        self.tokens = 0
-        self.t0 = self.last = time.monotonic()
-        self.tty = sys.stderr.isatty()
-
-    def add(self, rows: int, tokens: int, final: bool = False) -> None:
-        self.done += rows
-        self.tokens += tokens
-        now = time.monotonic()
-        if not final and now - self.last < 1.0:
-            return
-        self.last = now
-        dt = max(now - self.t0, 1e-6)
-        rate = (self.done - self.start_done) / dt
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        line = (f"embed-corpus: {self.done:,}/{self.total:,} rows "
-                f"({100 * self.done / max(self.total, 1):.1f}%) · {self.tokens / dt:,.0f} tokens/s"
-                f" · {rate:,.0f} texts/s · ETA {eta:,.0f} s")
-        print(("\r" + line) if self.tty else line, end="\n" if final or not self.tty else "",
-              file=sys.stderr, flush=True)
-
-    @property
-    def texts_per_s(self) -> float:
-        return (self.done - self.start_done) / max(time.monotonic() - self.t0, 1e-6)
+        runs: list[list[int]] = []
+        for i in range(len(ids)):
+            if (not runs or prompts[i] != prompts[runs[-1][0]]
+                    or len(runs[-1]) == self.settings.batch_size):
+                runs.append([])
+            runs[-1].append(i)
+        futures = [self.pool.submit(self._embed_run, r, texts, prompts[r[0]], ids) for r in runs]
+        got: dict[int, tuple[np.ndarray, int]] = {}
+        prints: set[str] = set()
+        for f in futures:
+            g, p, r = f.result()
+            got.update(g)
+            prints.update(p)
+            refused.extend(r)
+        fingerprint = prints.pop() if len(prints) == 1 else MIXED
+        done = sorted(got)
+        n, m = len(done), len(refused)
+        return pa.table({
+            "id": [ids[i] for i in done] + [r.id for r in refused],
+            "embedding": [got[i][0].astype(np.float32) for i in done] + [None] * m,
+            "tokens": [int(got[i][1]) for i in done] + [None] * m,
+            "fingerprint": [fingerprint] * n + [None] * m,
+            "code": [None] * n + [r.code for r in refused],
+            "message": [None] * n + [r.message for r in refused],
+        }, schema=output_schema(self.settings.id_kind))
 
 
 def run(input_path: Path, out: Path, settings: JobSettings, workers: int,
         address: str | None = None) -> dict[str, Any]:
-    """The job; returns its summary (rows embedded now, total, texts/s)."""
+    """The job; returns its summary. One writer per ``out`` (``OutLock``)."""
+    kind, files = input_files(input_path)
+    out.mkdir(parents=True, exist_ok=True)
+    with OutLock(out):
+        for stale in out.glob(".part-*.tmp"):  # a killed run's unfinished part
+            stale.unlink()
+        done, fingerprint = finished_parts(out)
+        log = ErrorLog(out)
+        found = scan(kind, files)  # ids checked while reading, before any call
+        new = [r for r in found.refusals if r.row not in log.rows]
+        log.append(new)
+        if new:
+            print(f"embed-corpus: {len(new):,} rows refused while reading the input; see "
+                  f"{out / ERRORS}", file=sys.stderr)
+        settings = JobSettings(**{**settings.__dict__, "kind": kind, "id_kind": found.kind})
+        progress = Progress(found.total, len(done) + log.lines, log.lines)
+        if len(done) + log.lines < found.total:
+            skip = frozenset(done | log.ids | found.duplicated)
+            fingerprint = _embed_rest(files, out, settings, workers, address, skip, fingerprint,
+                                      log, done, progress)
+        progress.add(0, 0, 0, final=True)
+        both = sorted(done & log.ids, key=str)
+        if both or len(done) + log.lines != found.total:
+            raise CorpusError(f"{out} holds {len(done):,} embedded and {log.lines:,} refused rows "
+                              f"for {found.total:,} input rows (ids in both: {both[:3]}): it "
+                              "holds another corpus's results, or the input changed; use a new "
+                              "--out")
+        return {"embedded": progress.embedded, "held": len(done), "refused": log.lines,
+                "codes": log.summary(), "total": found.total,
+                "texts_per_s": progress.texts_per_s}
+
+
+def _embed_rest(files: list[str], out: Path, settings: JobSettings, workers: int,
+                address: str | None, skip: frozenset, fingerprint: str | None, log: ErrorLog,
+                done: set[Any], progress: Progress) -> str | None:
     import ray
 
-    kind, files = input_files(input_path)
-    total = count_rows(kind, files)  # here, not by a Ray Data pass: that would read it twice
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(".part-*.tmp"):  # a killed run's unfinished part
-        stale.unlink()
-    done, fingerprint = finished_ids(out)
     ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
     try:
         logging.getLogger("ray.data").setLevel(logging.ERROR)  # (it warns of what we set next)
         ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False  # the job prints its own (rows, tokens/s, ETA)
-        read = ray.data.read_json if kind == "json" else ray.data.read_parquet
+        ctx.enable_progress_bars = False  # the job prints its own (rows, texts/s, ETA)
         # Read tasks are light; the engines may hold every whole CPU of a node.
+        if settings.kind == "json":
+            ds = ray.data.read_text(files, num_cpus=0.1)
+        else:
+            import pyarrow.parquet as pq
+
+            prompt = all("prompt_name" in pq.read_schema(f).names for f in files)
+            ds = ray.data.read_parquet(files, num_cpus=0.1, columns=[
+                "id", "text", *(["prompt_name"] if prompt else [])])
         # Blocks of at most one part's rows: a part is what a worker returns for one block,
         # and what a kill can lose.
-        ds = read(files, num_cpus=0.1).repartition(
-            target_num_rows_per_block=settings.batch_size * settings.inflight)
-        progress = Progress(total, len(done))
-        if len(done) >= total:
-            progress.add(0, 0, final=True)
-            return {"embedded": 0, "held": len(done), "total": total, "texts_per_s": 0.0}
-        done_ref = ray.put(frozenset(done)) if done else None
+        rows = settings.batch_size * settings.inflight
+        ds = ds.repartition(target_num_rows_per_block=rows)
         embedded = ds.map_batches(
-            BatchEmbedder, fn_constructor_args=(settings, done_ref),
-            batch_size=settings.batch_size * settings.inflight, batch_format="numpy",
+            BatchEmbedder, fn_constructor_args=(settings, ray.put(skip) if skip else None),
+            batch_size=rows, batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=0.1,
             # A worker that dies fails the job instead of restarting: a rerun resumes, and Ray
             # warns on every run about restarting actors whose arguments live in the store.
             max_restarts=0)
-        written = 0
-        for batch in embedded.iter_batches(batch_size=None, batch_format="numpy"):
-            if len(batch["id"]) == 0:
-                continue
-            got = str(batch["fingerprint"][0])
-            if MIXED in got.split("/") or got == MIXED:
-                raise CorpusError(f"replicas of different model fingerprints served one block "
-                                  f"(a rolling update?): {got}; run the job again when it is done")
-            if fingerprint is None:
-                fingerprint = got
-            elif got != fingerprint:
-                raise CorpusError(f"the model now serves fingerprint {got}, but {out} holds "
-                                  f"vectors of {fingerprint}; use a new --out")
-            n = write_part(out, batch)
-            done.update(np.asarray(batch["id"]).tolist())
-            written += n
-            progress.add(n, int(np.sum(batch["tokens"])))
-        progress.add(0, 0, final=True)
-        held = len(done)  # distinct ids in the folder: the finished parts' plus this run's
-        if held != total:
-            raise CorpusError(f"{out} holds {held:,} distinct ids for {total:,} input rows: the "
-                              "input repeats ids, or the folder holds another corpus's parts")
-        return {"embedded": written, "held": held, "total": total,
-                "texts_per_s": progress.texts_per_s}
+        for batch in embedded.iter_batches(batch_size=None, batch_format="pyarrow"):
+            if batch.num_rows:
+                n_ok, n_bad, tokens, fingerprint = take_block(out, batch, fingerprint, log, done)
+                progress.add(n_ok, n_bad, tokens)
+        return fingerprint
     finally:
         ray.shutdown()
 
@@ -346,29 +318,51 @@ def cmd_embed_corpus(args: argparse.Namespace) -> int:
         print(f"error: --batch-size must be 1..{SLICE_INPUTS} (got {args.batch_size}), "
               f"--inflight and --workers >= 1 (got {args.inflight}, {args.workers})",
               file=sys.stderr)
-        return 2
+        return EXIT_FAILED
     settings = JobSettings(args.app, args.model, args.batch_size, args.inflight,
-                           args.max_retry_s)
+                           args.max_retry_s, args.long_input)
     try:
-        summary = run(Path(args.input), Path(args.out), settings, args.workers, args.address)
+        s = run(Path(args.input), Path(args.out), settings, args.workers, args.address)
     except Exception as exc:
         why = corpus_error(exc)
         if why is None:
             raise
         print(f"\nerror: {why}", file=sys.stderr)
-        return 2
-    print(f"embedded {summary['embedded']:,} rows in this run; {args.out} holds "
-          f"{summary['held']:,} of {summary['total']:,} ({summary['texts_per_s']:,.0f} texts/s)")
-    return 0
+        return EXIT_FAILED
+    print(f"embedded {s['embedded']:,} rows in this run; {args.out} holds {s['held']:,} of "
+          f"{s['total']:,} rows embedded and {s['refused']:,} refused"
+          f"{' (' + s['codes'] + '; see ' + str(Path(args.out) / ERRORS) + ')' if s['refused'] else ''}"
+          f" ({s['texts_per_s']:,.0f} texts/s)")
+    return EXIT_REFUSED if s["refused"] else EXIT_OK
+
+
+EPILOG = """\
+exit status:
+  0  every row is embedded (OUT/part-*.parquet)
+  2  the job finished, and some rows are refused: OUT/errors.jsonl has one line per refused row
+     (id, code, message, row); the summary counts them by code
+  1  the job could not finish (run it again to resume: rows already in OUT are not sent again)
+"""
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("embed-corpus", help="embed a JSONL/Parquet corpus through the serving "
-                       "fleet on the bulk lane (a Ray Data job; resumable)")
+                       "fleet on the bulk lane (a Ray Data job; resumable)", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Embed every row of a corpus through the serving fleet. Rows "
+                       "that are invalid (not JSON, no id, an id on several rows, an empty or "
+                       "non-string text) or that the model refuses go to OUT/errors.jsonl; the "
+                       "job goes on.")
+    # Usage errors exit 1 too (argparse's own is 2, this command's "finished with refused rows").
+    p.error = lambda message: p.exit(EXIT_FAILED, f"{p.prog}: error: {message}\n")
     p.add_argument("input", help="a .jsonl or .parquet file, or a folder of them (id, text, "
                    "optional prompt_name)")
     p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True, help="output folder of Parquet parts")
+    p.add_argument("--out", required=True, help="output folder: Parquet parts and errors.jsonl "
+                   "(one job at a time)")
+    p.add_argument("--long-input", choices=LONG_INPUT_MODES, default=None,
+                   help="a text longer than the model's context: truncate it, chunk it, or "
+                   "reject it (to errors.jsonl); default: the model's configured policy")
     p.add_argument("--app", default="embedfleet", help="the Serve application (default: "
                    "embedfleet)")
     p.add_argument("--address", help="Ray address (default: the local cluster)")
@@ -381,5 +375,5 @@ def add_parser(sub: Any) -> None:
                    help="calls each worker keeps in flight (default: 2); a part holds "
                    "batch-size x inflight rows")
     p.add_argument("--max-retry-s", type=float, default=600.0,
-                   help="stop when one batch is refused (429/503) for this long (default: 600)")
+                   help="stop when one call is refused (429/503) for this long (default: 600)")
     p.set_defaults(func=cmd_embed_corpus)

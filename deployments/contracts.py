@@ -18,7 +18,7 @@ from typing import Literal, get_args
 import numpy as np
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
-from embedfleet.deployments.request_path.long_input import LongInputPolicy
+from embedfleet.deployments.request_path.long_input import LongInputMode, LongInputPolicy
 
 Lane = Literal["interactive", "bulk"]
 LANES: tuple[Lane, ...] = get_args(Lane)  # in serving order: interactive first
@@ -101,6 +101,7 @@ class BatchCall:
     texts: list[str]
     prompt_name: str | None = None
     lane: Lane = "bulk"
+    long_input: LongInputMode | None = None  # None: the model's configured policy
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,151 +1,264 @@
-"""The corpus job's parts without a cluster: input discovery, finished parts and their
-fingerprints, whole-or-absent writes, the batching by prompt and the retry/stop rules of a call.
+"""The corpus job without a cluster: a worker's calls (prompt runs on the bulk lane, the
+``--long-input`` mode on every call, 429s retried, a row's refusal costing none of its call's
+other rows), and whole jobs on a corpus with long, empty, broken and duplicate-id rows, killed
+and resumed, with their exit statuses.
 
-The Router's Serve handle is replaced by a stand-in (``StandInRouter``) that answers or raises what
-the real one raises; the live job runs in tests/test_e2e_corpus.py.
+The app's Serve handle and Ray Data are stand-ins (tests/support/standin_corpus_fleet.py); the
+live job runs in tests/test_e2e_corpus.py.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import argparse
+import json
+import os
+import socket
+
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from embedfleet.cluster import corpus_out as co
 from embedfleet.cluster import embed_corpus as ec
-from embedfleet.deployments.contracts import BatchResult
-from embedfleet.deployments.errors import InputTooLong, Overloaded
+from embedfleet.deployments.errors import ModelNotFound, Overloaded, UnsupportedParameter
+from tests.support.standin_corpus_fleet import (FINGERPRINT, StandInHandle, Killed, embedder,
+                                                in_process_rest, numpy_block, tokens_of,
+                                                vector_of)
 
-PRINT = {"x-embedfleet-model-digest": "abc", "x-embedfleet-dtype": "float32",
-         "x-embedfleet-engine": "vllm", "x-embedfleet-platform": "cpu"}
-
-
-def batch(ids, fingerprint="abc/float32/vllm/cpu", dim=4):
-    n = len(ids)
-    return {"id": np.asarray(ids, dtype=object),
-            "embedding": np.arange(n * dim, dtype=np.float32).reshape(n, dim),
-            "tokens": np.arange(n, dtype=np.int64) + 3,
-            "fingerprint": np.asarray([fingerprint] * n, dtype=object)}
+LONG = "word " * 30  # 32 tokens: over the stand-in's 16, under its 64 in all
+HUGE = "word " * 80  # 82 tokens: over the stand-in's bound in every mode
 
 
-def test_input_files_take_one_kind_and_name_what_they_found(tmp_path):
-    (tmp_path / "a.jsonl").write_text("{}\n")
-    (tmp_path / "b.jsonl").write_text("{}\n")
-    kind, files = ec.input_files(tmp_path)
-    assert kind == "json" and [f.rsplit("/", 1)[1] for f in files] == ["a.jsonl", "b.jsonl"]
-    (tmp_path / "c.parquet").write_bytes(b"")
-    with pytest.raises(ec.CorpusError, match="one kind"):
-        ec.input_files(tmp_path)
-    with pytest.raises(ec.CorpusError, match="notes.txt"):
-        (tmp_path / "notes.txt").write_text("x")
-        ec.input_files(tmp_path / "notes.txt")
+def settings(batch_size=4, long_input=None, kind="parquet", id_kind="str", max_retry_s=5.0):
+    return ec.JobSettings("app", "m", batch_size, 2, max_retry_s, long_input, kind, id_kind)
 
 
-def test_parts_are_whole_and_their_ids_and_fingerprint_are_read_back(tmp_path):
-    assert ec.write_part(tmp_path, batch(["a", "b"])) == 2
-    assert ec.write_part(tmp_path, batch(["c"])) == 1
-    assert ec.write_part(tmp_path, batch([])) == 0  # nothing left to write: no empty part
-    assert not list(tmp_path.glob(".*"))  # renamed, no temporary left
-    done, fingerprint = ec.finished_ids(tmp_path)
-    assert done == {"a", "b", "c"} and fingerprint == "abc/float32/vllm/cpu"
-    table = pq.read_table(tmp_path)
-    assert table.schema.field("embedding").type.list_size == 4
-    assert sorted(table.column("tokens").to_pylist()) == [3, 3, 4]
-
-    ec.write_part(tmp_path, batch(["d"], fingerprint="zzz/float32/vllm/cpu"))
-    with pytest.raises(ec.CorpusError, match="several fingerprints"):
-        ec.finished_ids(tmp_path)
+def rows_of(table: pa.Table) -> tuple[dict, dict]:
+    """(embedded id -> vector, refused id -> code) of a worker's output."""
+    d = table.to_pylist()
+    return ({r["id"]: r["embedding"] for r in d if r["code"] is None},
+            {r["id"]: r["code"] for r in d if r["code"] is not None})
 
 
-class StandInRouter:
-    """Stands in for the Router's Serve handle: ``embed_batch.remote(call).result()``."""
-
-    def __init__(self, failures=()):
-        self.failures = list(failures)
-        self.calls = []
-        self.embed_batch = self
-
-    def remote(self, call):
-        self.calls.append(call)
-        return self
-
-    def result(self):
-        if self.failures:
-            raise self.failures.pop(0)
-        call = self.calls[-1]
-        return BatchResult(np.full((len(call.texts), 4), len(self.calls), np.float32),
-                           tuple(len(t) for t in call.texts), PRINT)
-
-
-def embedder(router, batch_size=2, done=frozenset()):
-    e = ec.BatchEmbedder.__new__(ec.BatchEmbedder)
-    e.settings = ec.JobSettings("app", "m", batch_size, 2, max_retry_s=5)
-    e.done, e.router = done, router
-    import concurrent.futures as cf
-    e.pool = cf.ThreadPoolExecutor(1)  # one at a time: the stand-in's answers follow call order
-    return e
-
-
-def ray_batch(**columns) -> dict[str, np.ndarray]:
-    """A numpy batch the way Ray Data hands one to a worker (from an Arrow block)."""
-    import pyarrow as pa
-    from ray.data.block import BlockAccessor
-
-    return BlockAccessor.for_block(pa.table(columns)).to_batch_format("numpy")
-
+# -- one worker ------------------------------------------------------------------------------
 
 def test_a_block_is_sent_in_runs_of_one_prompt_on_the_bulk_lane_skipping_finished_ids():
-    router = StandInRouter()
-    rows = ray_batch(id=["a", "b", "c", "d", "e"], text=["t1", "t22", "t333", "t4", "t5"],
-                     prompt_name=["q", "q", "q", None, "q"])
-    out = embedder(router, done=frozenset({"b"}))(rows)
-    assert [(c.texts, c.prompt_name, c.lane) for c in router.calls] == [
-        (["t1", "t333"], "q", "bulk"), (["t4"], None, "bulk"), (["t5"], "q", "bulk")]
-    assert list(out["id"]) == ["a", "c", "d", "e"]
-    assert list(out["tokens"]) == [2, 4, 2, 2]
-    assert out["embedding"][:, 0].tolist() == [1, 1, 2, 3]  # each row its own call's vector
-    assert set(out["fingerprint"]) == {"abc/float32/vllm/cpu"}
+    handle = StandInHandle()
+    block = numpy_block({"id": ["a", "b", "c", "d", "e"], "text": ["t1", "t2", "t3", "t4", "t5"],
+                         "prompt_name": ["q", "q", "q", None, "q"]})
+    out = embedder(handle, settings(batch_size=2), skip=frozenset({"b"}))(block)
+    assert [(c.texts, c.prompt_name, c.lane) for c in handle.calls] == [
+        (["t1", "t3"], "q", "bulk"), (["t4"], None, "bulk"), (["t5"], "q", "bulk")]
+    embedded, refused = rows_of(out)
+    assert list(embedded) == ["a", "c", "d", "e"] and not refused
+    assert out.column("tokens").to_pylist() == [3, 3, 3, 3]
+    assert set(out.column("fingerprint").to_pylist()) == {FINGERPRINT}
 
 
-def test_a_refused_batch_is_retried_after_its_retry_after_and_a_rejected_text_stops_the_job():
-    router = StandInRouter([Overloaded("bulk queue full", retry_after_s=0.01)])
-    rows = ray_batch(id=[7, 8], text=["x", "y"])
-    out = embedder(router)(rows)
-    assert len(router.calls) == 2 and list(out["id"]) == [7, 8]
-
-    router = StandInRouter([InputTooLong("input[1] has 900 tokens", param="input")])
-    with pytest.raises(ec.CorpusError, match=r"row id 8 was refused \(400 "
-                                             r"context_length_exceeded\): input\[1\] has 900"):
-        embedder(router)(rows)
-
-
-def test_missing_values_as_ray_data_types_them_never_reach_the_fleet():
-    # A JSONL block whose prompt_name is null on every row: Ray Data hands it as float NaN.
-    rows = ray_batch(id=[1, 2], text=["x", "y"], prompt_name=pa_nulls(2))
-    router = StandInRouter()
-    embedder(router)(rows)
-    assert [c.prompt_name for c in router.calls] == [None]
-    with pytest.raises(ec.CorpusError, match=r"row id 2 has no text"):
-        embedder(StandInRouter())(ray_batch(id=[1, 2], text=["x", None]))
-    with pytest.raises(ec.CorpusError, match="a row has no id"):
-        embedder(StandInRouter())(ray_batch(id=["a", None], text=["x", "y"]))
+@pytest.mark.parametrize("mode", [None, "reject", "truncate", "chunk"])
+def test_the_long_input_mode_goes_with_every_call(mode):
+    handle = StandInHandle()
+    out = embedder(handle, settings(long_input=mode))(
+        numpy_block({"id": ["s", "l"], "text": ["short text", LONG]}))
+    assert {c.long_input for c in handle.calls} == {mode}
+    embedded, refused = rows_of(out)
+    if mode in (None, "reject"):  # the stand-in model's policy is reject
+        assert list(embedded) == ["s"] and refused == {"l": "context_length_exceeded"}
+    else:
+        assert embedded["l"] == vector_of(LONG, mode) and not refused
 
 
-def pa_nulls(n: int):
-    import pyarrow as pa
+def test_a_named_refusal_costs_one_call_and_none_of_the_calls_other_rows():
+    handle = StandInHandle()
+    texts = ["a b", LONG, "c d", LONG, "e f", "g h"]
+    out = embedder(handle, settings(batch_size=6))(
+        numpy_block({"id": [f"r{i}" for i in range(6)], "text": texts}))
+    embedded, refused = rows_of(out)
+    assert refused == {"r1": "context_length_exceeded", "r3": "context_length_exceeded"}
+    assert {k: v for k, v in embedded.items()} == {
+        f"r{i}": vector_of(texts[i], "reject") for i in (0, 2, 4, 5)}
+    assert len(handle.calls) == 3  # 1 + one per refused row, each without the rows refused
+    assert [len(c.texts) for c in handle.calls] == [6, 5, 4]
+    message = out.filter(pc.equal(out.column("id"), "r1")).column("message")[0].as_py()
+    assert message.startswith("the text has 32 tokens")  # not the call's own "input[1]"
 
-    return pa.nulls(n)
+
+def test_a_refusal_of_the_whole_call_is_bisected_down_to_its_row():
+    handle = StandInHandle(max_chars=400)  # the 401-character text is too large alone
+    texts = [f"t{i}" for i in range(7)] + ["x" * 401]
+    out = embedder(handle, settings(batch_size=8))(
+        numpy_block({"id": [f"r{i}" for i in range(8)], "text": texts}))
+    embedded, refused = rows_of(out)
+    assert refused == {"r7": "request_limit_exceeded"} and len(embedded) == 7
+    assert len(handle.calls) <= 2 * 3 + 1  # ~2 log2(8) calls, not one per row
+
+
+def test_a_refused_prompt_name_refuses_its_run_and_a_job_level_refusal_stops_the_job():
+    handle = StandInHandle([UnsupportedParameter("model 'm' has no prompt template 'zz'",
+                                                 param="prompt_name")])
+    out = embedder(handle, settings())(numpy_block(
+        {"id": ["a", "b", "c"], "text": ["x", "y", "z"], "prompt_name": ["zz", "zz", None]}))
+    embedded, refused = rows_of(out)
+    assert refused == {"a": "unsupported_parameter", "b": "unsupported_parameter"}
+    assert list(embedded) == ["c"] and len(handle.calls) == 2  # no bisection of a shared cause
+    handle = StandInHandle([ModelNotFound("model 'm' does not exist", param="model")])
+    with pytest.raises(ec.CorpusError, match=r"refused the call starting at id 'a' \(404 "
+                                             r"model_not_found\)"):
+        embedder(handle, settings())(numpy_block({"id": ["a"], "text": ["x"]}))
+
+
+def test_a_429_is_retried_after_its_retry_after_until_max_retry_s():
+    handle = StandInHandle([Overloaded("bulk queue full", retry_after_s=0.01)])
+    out = embedder(handle, settings(id_kind="int"))(
+        numpy_block({"id": [7, 8], "text": ["x", "y"]}))
+    assert len(handle.calls) == 2 and rows_of(out)[0].keys() == {7, 8}
+    handle = StandInHandle([Overloaded("full", retry_after_s=0.2)] * 5)
+    with pytest.raises(ec.CorpusError, match="could not be served for 0.3s"):
+        embedder(handle, settings(max_retry_s=0.3))(numpy_block({"id": ["a"], "text": ["x"]}))
+
+
+def test_texts_that_cannot_be_sent_are_refused_without_a_call_and_jsonl_lines_parsed():
+    lines = ['{"id": "a", "text": "fine"}', '{"id": "b", "text": ""}', '{"id": "c", "text": 5}',
+             '{"id": "d"}', '{"id": "e", "text": "   "}', "broken {",
+             '{"id": "f", "text": "x", "prompt_name": 3}', '{"text": "no id"}',
+             '{"id": "g", "text": "skipped: a duplicate"}', '{"id": 9, "text": "wrong kind"}']
+    handle = StandInHandle()
+    out = embedder(handle, settings(kind="json"), skip=frozenset({"g"}))(
+        numpy_block({"text": lines}))
+    embedded, refused = rows_of(out)
+    assert list(embedded) == ["a"] and [c.texts for c in handle.calls] == [["fine"]]
+    # broken lines, missing / wrong-kind ids and duplicates were refused by the scan, by row
+    assert refused == {"b": "empty_text", "c": "non_string_text", "d": "empty_text",
+                       "e": "empty_text", "f": "invalid_prompt_name"}
+
+
+# -- whole jobs --------------------------------------------------------------------------------
+
+def corpus(path, n=40):
+    """n rows, with long (every 7th), empty, non-string, broken, id-less and duplicate rows."""
+    rows = []
+    for i in range(n):
+        text = LONG if i % 7 == 3 else (HUGE if i == 20 else f"passage number {i}")
+        rows.append(json.dumps({"id": f"doc-{i:03d}", "text": text}))
+    rows[5] = json.dumps({"id": "doc-005", "text": ""})
+    rows[9] = json.dumps({"id": "doc-009", "text": ["not", "a", "string"]})
+    rows[12] = '{"id": "doc-012", "text": "cut'
+    rows[15] = json.dumps({"text": "no id"})
+    rows[30] = json.dumps({"id": "doc-001", "text": "a second doc-001"})
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def job(src, out, handle, mode=None, kill_after=None, monkeypatch=None, batch=4):
+    monkeypatch.setattr(ec, "_embed_rest", in_process_rest(handle, kill_after))
+    args = argparse.Namespace(input=str(src), out=str(out), model="m", app="app", address=None,
+                              workers=1, batch_size=batch, inflight=2, max_retry_s=5.0,
+                              long_input=mode)
+    return ec.cmd_embed_corpus(args)
+
+
+def where_rows_ended(out) -> tuple[list, list]:
+    ids = pq.read_table(sorted(out.glob(co.PART_GLOB))).column("id").to_pylist() \
+        if list(out.glob(co.PART_GLOB)) else []
+    errors = [json.loads(x) for x in (out / co.ERRORS).read_text().splitlines()]
+    return ids, errors
+
+
+@pytest.mark.parametrize("mode", ["reject", "truncate", "chunk"])
+def test_every_row_ends_in_exactly_one_place_across_a_kill_and_resume(tmp_path, monkeypatch,
+                                                                      capsys, mode):
+    src, out = corpus(tmp_path / "c.jsonl"), tmp_path / "out"
+    with pytest.raises(Killed):
+        job(src, out, StandInHandle(), mode, kill_after=2, monkeypatch=monkeypatch)
+    # the kill came after 2 parts and their refusals; a kill cuts errors.jsonl's last line too
+    with open(out / co.ERRORS, "a") as f:
+        f.write('{"id": "doc-0')
+    (out / co.LOCK).write_text(json.dumps({"pid": 2 ** 22 + 17, "host": socket.gethostname()}))
+    assert len(list(out.glob(co.PART_GLOB))) == 2
+    handle = StandInHandle()
+    status = job(src, out, handle, mode, monkeypatch=monkeypatch)
+    err = capsys.readouterr().err
+    assert "took over the lock" in err and "partial line" in err
+    ids, errors = where_rows_ended(out)
+    refused = {e["id"] for e in errors if e["id"] is not None}
+    long_ids = {f"doc-{i:03d}" for i in range(40) if i % 7 == 3}
+    want_refused = {"doc-005": "empty_text", "doc-009": "non_string_text",
+                    "doc-020": "context_length_exceeded", "doc-001": "duplicate_id"}
+    if mode == "reject":
+        want_refused.update(dict.fromkeys(long_ids, "context_length_exceeded"))
+    got = {e["id"]: e["code"] for e in errors if e["id"] is not None}
+    assert got == want_refused
+    assert sorted(e["code"] for e in errors if e["id"] is None) == ["invalid_json", "missing_id"]
+    assert sum(e["code"] == "duplicate_id" for e in errors) == 2  # both doc-001 rows
+    # exactly once: 40 rows = parts + errors.jsonl lines, no id in both, none twice
+    assert len(ids) == len(set(ids)) and len(ids) + len(errors) == 40
+    assert not set(ids) & refused
+    assert status == ec.EXIT_REFUSED
+    # the resume sent only what the killed run had not decided
+    sent = [t for c in handle.calls for t in c.texts]
+    assert not {f"passage number {i}" for i in range(16)} & set(sent)
+    table = pq.read_table(sorted(out.glob(co.PART_GLOB)))
+    by_id = dict(zip(table.column("id").to_pylist(), table.column("embedding").to_pylist()))
+    assert by_id["doc-002"] == vector_of("passage number 2", mode)
+    if mode != "reject":
+        assert by_id["doc-010"] == vector_of(LONG, mode)
+
+
+def test_exit_0_when_every_row_is_embedded_and_a_rerun_sends_nothing(tmp_path, monkeypatch,
+                                                                     capsys):
+    src, out = tmp_path / "c.jsonl", tmp_path / "out"
+    src.write_text("".join(json.dumps({"id": i, "text": f"t {i}"}) + "\n" for i in range(10)))
+    assert job(src, out, StandInHandle(), monkeypatch=monkeypatch) == ec.EXIT_OK
+    assert "holds 10 of 10 rows embedded and 0 refused" in capsys.readouterr().out
+    assert not (out / co.LOCK).exists()
+    handle = StandInHandle()
+    assert job(src, out, handle, monkeypatch=monkeypatch) == ec.EXIT_OK and not handle.calls
+    ids = pq.read_table(sorted(out.glob(co.PART_GLOB))).column("id").to_pylist()
+    assert sorted(ids) == list(range(10)) and not (out / co.ERRORS).exists()
+
+
+def test_exit_1_when_the_job_cannot_finish_and_its_summary_when_it_can(tmp_path, monkeypatch,
+                                                                       capsys):
+    src, out = corpus(tmp_path / "c.jsonl"), tmp_path / "out"
+    handle = StandInHandle([ModelNotFound("model 'm' does not exist", param="model")])
+    assert job(src, out, handle, monkeypatch=monkeypatch) == ec.EXIT_FAILED
+    assert "error: the fleet refused the call" in capsys.readouterr().err
+    with co.OutLock(out):  # another job holds the folder
+        assert job(src, out, StandInHandle(), monkeypatch=monkeypatch) == ec.EXIT_FAILED
+        assert f"pid {os.getpid()}" in capsys.readouterr().err
+    assert job(src, out, StandInHandle(), monkeypatch=monkeypatch) == ec.EXIT_REFUSED
+    summary = capsys.readouterr().out
+    assert ("holds 27 of 40 rows embedded and 13 refused (context_length_exceeded 7, "
+            "duplicate_id 2, empty_text 1, invalid_json 1, missing_id 1, non_string_text 1"
+            in summary), summary
+
+
+def test_progress_shows_rows_done_refused_texts_per_s_and_an_eta(capsys):
+    p = ec.Progress(total=100, done=10, refused=2)
+    p.add(30, 5, 300, final=True)
+    line = capsys.readouterr().err
+    assert "45/100 rows (45.0%) · 7 refused ·" in line and "texts/s · ETA" in line
+
+
+def test_tokens_of_the_stand_in_are_what_the_job_stores(tmp_path, monkeypatch):
+    src, out = tmp_path / "c.jsonl", tmp_path / "out"
+    src.write_text(json.dumps({"id": "a", "text": "one two three"}) + "\n")
+    job(src, out, StandInHandle(), monkeypatch=monkeypatch)
+    assert pq.read_table(out / next(p.name for p in out.glob(co.PART_GLOB))).column(
+        "tokens").to_pylist() == [tokens_of("one two three")]
 
 
 def test_the_reason_a_worker_stopped_the_job_reaches_the_user():
     try:
         try:
-            raise ec.CorpusError("row id 'x' has no text")
+            raise ec.CorpusError("the call starting at id 'x' could not be served")
         except ec.CorpusError as err:
             raise RuntimeError("UserCodeException") from err
     except RuntimeError as wrapped:
-        assert ec.corpus_error(wrapped) == "row id 'x' has no text"
+        assert ec.corpus_error(wrapped) == "the call starting at id 'x' could not be served"
     # Ray keeps only the text of a remote cause: the last CorpusError line is the reason.
     remote = RuntimeError("ray::MapWorker() (pid=1)\n  File ...\nembedfleet.cluster."
-                          "embed_corpus.CorpusError: the batch starting at id 7 was refused\n")
-    assert ec.corpus_error(remote) == "the batch starting at id 7 was refused"
+                          "corpus_input.CorpusError: the fleet refused the call\n")
+    assert ec.corpus_error(remote) == "the fleet refused the call"
     assert ec.corpus_error(ValueError("a bug")) is None

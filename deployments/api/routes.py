@@ -119,12 +119,13 @@ class ApiRoutes:
     async def embed_batch(self, call: BatchCall) -> BatchResult:
         """The Serve-handle API (``embedfleet embed-corpus``): the same pipeline as HTTP, no wire
         format. Errors are raised as they are (typed, they pickle through Ray), so the caller
-        retries 429/503 by their ``retry_after_s`` and stops on a 4xx."""
+        retries 429/503 by their ``retry_after_s`` and refuses the row a 4xx names."""
         request_id = f"batch-{uuid.uuid4().hex[:16]}"
         t0, status = time.perf_counter(), 500
         try:
             out = await self.pipeline.run(EmbedRequest(call.model, call.texts, "texts",
                                                        prompt_name=call.prompt_name,
+                                                       long_input_mode=call.long_input,
                                                        lane=call.lane), request_id)
             status = 200
         except EmbedfleetError as err:

@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 
 from embedfleet.deployments.api.openai import EmbeddingRequest
 from tests.conftest import FAULTY_QWEN3, MINILM, TINY_QWEN3
+from tests.support.nested_json import ROUTES, body_with, check_answer, nested, places
 
 pytestmark = pytest.mark.cluster
 
@@ -190,6 +191,9 @@ def _dump(value: Any, ascii_only: bool) -> bytes:
 _json_bodies = st.builds(_dump, _mutated(), st.booleans())
 _CLASSIC_JUNK = [b"", b"null", b"{}", b"[]", b"0", b'"x"', b"{", b"NaN", b'{"input": NaN}',
                  b"[" * 5000 + b"]" * 5000, b'{"a":' * 3000 + b"1" + b"}" * 3000,
+                 # the issue's 500s: a value nested 300 and 800 deep in `input`
+                 body_with("/v1/embeddings", MINILM, "input", nested(300)),
+                 body_with("/v1/embeddings", MINILM, "input", nested(800, ("dict",))),
                  b"\xef\xbb\xbf{}", b'{"model": "all-minilm-l6-v2", "input": [1e400]}',
                  b'{"model": "all-minilm-l6-v2", "input": "\\ud800"}',
                  b'{"model": "all-minilm-l6-v2", "input": [18446744073709551616]}']
@@ -329,3 +333,34 @@ def test_router_never_answers_5xx_to_fuzzed_requests(cluster):
     print(f"\nfuzz: {SENT['total']} requests in {time.monotonic() - t0:.0f}s; "
           f"status histogram {histogram}")
     assert SENT["total"] >= MIN_REQUESTS, (SENT["total"], histogram)
+
+
+# Each depth a little either side of where something changes: orjson's encoder (254 levels)
+# and parser (1,024), the issue's 300 and 800, and the far end; tests/test_nesting.py covers
+# 1..5,000 in-process.
+LIVE_DEPTHS = (1, 2, 3, 4, 5, 32, 64, 254, 255, 256, 300, 512, 800, 1023, 1024, 1025, 5000)
+
+
+def test_no_5xx_at_any_nesting_depth_in_any_field(cluster):
+    """Every JSON route of the live cluster, a value nested ``LIVE_DEPTHS`` deep (lists, and
+    objects) in each typed field of its request model, as the whole body and as an unknown
+    parameter: a 2xx, or a 4xx with the OpenAI error body of bounded size; never a 5xx."""
+    sent = Counter()
+    with httpx.Client(base_url=cluster, timeout=60) as client:
+        wait_ready(client)
+        for path in sorted(ROUTES):
+            for where in places(path):
+                for kind in ("list", "dict"):
+                    for depth in LIVE_DEPTHS:
+                        body = body_with(path, MINILM, where, nested(depth, (kind,)))
+                        what = f"POST {path} {where} {kind} x{depth} ({len(body)} bytes)"
+                        try:
+                            r = client.post(path, content=body,
+                                            headers={"Content-Type": _JSON_TYPE})
+                        except httpx.TransportError as err:
+                            raise AssertionError(f"no answer ({err!r}): {what}") from None
+                        sent[r.status_code] += 1
+                        check_answer(r.status_code, r.content, what)
+    print(f"\nnesting: {sum(sent.values())} requests; status histogram "
+          f"{dict(sorted(sent.items()))}")
+    assert sent[422] > 0 and sent[400] > 0  # the models' errors and the parser's depth limit

@@ -57,3 +57,31 @@ def test_validation_message_never_splits_a_multibyte_character():
         with pytest.raises(RequestValidation) as err:
             parse_embedding_request({"model": "m", "input": "a", "task": ["x" * pad + "é" * 120]})
         assert err.value.param == "task" and "got" in err.value.message
+
+
+def deep(depth: int) -> list:
+    root = node = []
+    for _ in range(depth - 1):
+        node.append([])
+        node = node[0]
+    return root
+
+
+@pytest.mark.parametrize("depth", [254, 255, 300, 800, 1024])
+@pytest.mark.parametrize("field", ["input", "model", "encoding_format", "dimensions", "user",
+                                   "lane"])
+def test_a_value_nested_past_orjsons_encoder_is_a_422_with_a_short_echo(field, depth):
+    # orjson parses 1,024 levels but encodes 254: echoing the value through it was a 500
+    body = {"model": "m", "input": "a", field: deep(depth)}
+    with pytest.raises(RequestValidation) as err:
+        parse_embedding_request(body)
+    assert err.value.param == field and len(err.value.message) < 200
+
+
+def test_an_unknown_parameter_is_named_but_bounded():
+    with pytest.raises(RequestValidation) as err:
+        parse_embedding_request({"model": "m", "input": "a", "x.y": 1})
+    assert err.value.param == "x.y" and err.value.message.endswith("supplied: 'x.y'")
+    with pytest.raises(RequestValidation) as err:
+        parse_embedding_request({"model": "m", "input": "a", "k" * 100_000: 1})
+    assert err.value.param == "k" * 64 + "…" and "(100000 chars)" in err.value.message

@@ -67,6 +67,23 @@ def test_body_must_be_an_object():
         parse_tei_tokenize_request("a")
 
 
+@pytest.mark.parametrize("parse, fields", [
+    (parse_tei_embed_request, ["inputs", "truncate", "truncation_direction", "normalize",
+                               "dimensions", "prompt_name", "model", "lane"]),
+    (parse_tei_tokenize_request, ["inputs", "add_special_tokens", "prompt_name", "model"]),
+])
+@pytest.mark.parametrize("depth", [255, 300, 800, 1024])
+def test_a_value_nested_past_orjsons_encoder_is_a_422_with_a_short_echo(parse, fields, depth):
+    # orjson parses 1,024 levels but encodes 254: echoing the value through it was a 500
+    value = []
+    for _ in range(depth - 1):
+        value = [value]
+    for field in fields:
+        with pytest.raises(RequestValidation) as err:
+            parse({"inputs": "a", field: value})
+        assert err.value.param == field and len(err.value.message) < 200
+
+
 def test_truncate_maps_onto_the_long_input_policy():
     default = LongInputPolicy(mode="chunk", chunk_tokens=400, chunk_overlap=50,
                               max_total_tokens=32768, truncation_direction="right")

@@ -135,7 +135,7 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     T("data/read_api.py", "read_text", ("paths", "num_cpus"),
       used_by="cluster/embed_corpus.py: JSONL as lines, parsed by the job (corpus_input)"),
     T("data/_internal/datasource/text_datasource.py", "TextDatasource._read_stream",
-      contains=(".splitlines()", 'line.strip() == ""'),
+      contains=(".splitlines()", "line.strip() == ''"),
       used_by="cluster/corpus_input.py: jsonl_rows splits a file as read_text does"),
     T("data/read_api.py", "read_parquet", ("paths", "num_cpus"),
       used_by="cluster/embed_corpus.py"),

@@ -36,6 +36,16 @@ def post(client: TestClient, path: str, body: bytes) -> None:
     check_answer(r.status_code, r.content, f"POST {path} {body[:120]!r}...({len(body)} bytes)")
 
 
+def test_every_json_route_is_swept(client):
+    """A route that takes a JSON body, now or later, is in ``ROUTES`` with its request model."""
+    doc = client.get("/openapi.json").json()
+    with_body = {path: ops["post"]["requestBody"]["content"]["application/json"]["schema"]
+                 for path, ops in doc["paths"].items() if "requestBody" in ops.get("post", {})}
+    assert set(with_body) == set(ROUTES)
+    for path, schema in with_body.items():
+        assert set(schema["properties"]) == set(ROUTES[path][0].model_fields), path
+
+
 def test_the_issues_body_300_levels_deep_in_input_is_a_422_not_a_500(client):
     body = body_with("/v1/embeddings", MODEL, "input", nested(300))
     r = client.post("/v1/embeddings", content=body,

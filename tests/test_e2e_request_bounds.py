@@ -2,8 +2,9 @@
 
 * A ~2 MB ``long_input: chunk`` text is refused with 413 within 2 s, from the body, before it is
   tokenised; while it and a large request within the bounds run, a one-text request sent every
-  0.5 s to the same model is always answered 200 (max <= 2 s; p50 <= 0.5 s on the replica the
-  large request ran on).
+  0.5 s to the same one-replica model (MiniLM: minilm-zero, held up once it is warm) is always
+  answered 200, with max <= 2 s and p50 <= 0.5 s. Before, the large request ran as one oversize
+  call alone on the card, and every probe waited for all of it.
 * ``/tokenize`` has the same bounds: 20,000 inputs, a body past the character bound and one past
   the token bound get a 4xx within 2 s, and the replica that tokenised is not restarted.
 """
@@ -18,12 +19,11 @@ import time
 import pytest
 import requests
 
-from tests.conftest import MINILM
+from tests.conftest import MINILM, ZERO
 
 pytestmark = pytest.mark.cluster
 WORDS = ("court contract statute appeal remedy damages tort negligence liability clause party "
          "breach evidence witness judgment precedent jurisdiction tribunal").split()
-REPLICAS = "x-embedfleet-replicas"
 
 
 def doc(n_words: int, seed: int) -> str:
@@ -33,11 +33,11 @@ def doc(n_words: int, seed: int) -> str:
 
 class Prober:
     """A one-text request to ``model`` every 0.5 s, each on its own thread (a slow answer does
-    not delay the next probe): (seconds, status, replica) per probe."""
+    not delay the next probe): (seconds, status) per probe."""
 
     def __init__(self, cluster: str, model: str) -> None:
         self.cluster, self.model = cluster, model
-        self.results: list[tuple[float, int, str]] = []
+        self.results: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -47,11 +47,11 @@ class Prober:
         try:
             r = requests.post(f"{self.cluster}/v1/embeddings", timeout=60,
                               json={"model": self.model, "input": f"probe number {k}"})
-            status, replica = r.status_code, r.headers.get(REPLICAS, "")
+            status = r.status_code
         except requests.RequestException:
-            status, replica = -1, ""
+            status = -1
         with self._lock:
-            self.results.append((time.monotonic() - t0, status, replica))
+            self.results.append((time.monotonic() - t0, status))
 
     def _loop(self) -> None:
         k = 0
@@ -79,13 +79,18 @@ def card_replicas(cluster: str, model: str) -> set[str]:
 
 
 def test_a_giant_request_is_refused_at_once_and_a_large_one_never_stalls_the_card(cluster):
+    # minilm-zero: MiniLM on one replica (engine steps of 8,192 tokens: limits of 32,768 tokens
+    # and 262,144 characters). Warm it first: it may be scaled to zero (cold_start_hold_s 400).
+    warm = requests.post(f"{cluster}/v1/embeddings", timeout=600,
+                         json={"model": ZERO, "input": "warm up"})
+    assert warm.status_code == 200, warm.text[:300]
     giant = "evidence " * 230_000  # ~2 MB of text
-    large = doc(40_000, seed=38)   # ~50k tokens of chunk windows: within limits.max_tokens
-    with Prober(cluster, MINILM) as probes:
+    large = doc(22_000, seed=38)   # ~23k tokens, ~29k in chunk windows: within the bounds
+    with Prober(cluster, ZERO) as probes:
         time.sleep(1.5)  # queries are coming when the large request starts
         t0 = time.monotonic()
         r = requests.post(f"{cluster}/v1/embeddings", timeout=60, json={
-            "model": MINILM, "input": giant, "long_input": "chunk"})
+            "model": ZERO, "input": giant, "long_input": "chunk"})
         refused_s = time.monotonic() - t0
         assert r.status_code == 413, r.text[:500]
         err = r.json()["error"]
@@ -94,26 +99,24 @@ def test_a_giant_request_is_refused_at_once_and_a_large_one_never_stalls_the_car
 
         t0 = time.monotonic()
         r = requests.post(f"{cluster}/v1/embeddings", timeout=300, json={
-            "model": MINILM, "input": large, "long_input": "chunk"})
+            "model": ZERO, "input": large, "long_input": "chunk"})
         large_s = time.monotonic() - t0
         assert r.status_code == 200, r.text[:500]
         assert r.json()["embedfleet"]["inputs"][0]["chunks"] > 100
-        busy = r.headers[REPLICAS]
         time.sleep(1.0)
     assert large_s > 5, f"the large request took {large_s:.1f}s: too small to test anything"
-    statuses = [s for _, s, _ in probes.results]
-    assert statuses and all(s == 200 for s in statuses), statuses
-    latencies = [t for t, _, _ in probes.results]
-    on_busy = [t for t, _, replica in probes.results if replica == busy]
-    assert len(on_busy) >= 5, (busy, probes.results)
-    assert max(latencies) <= 2.0, sorted(latencies)[-5:]
-    assert statistics.median(on_busy) <= 0.5, sorted(on_busy)
+    statuses = [s for _, s in probes.results]
+    assert len(statuses) >= 10 and all(s == 200 for s in statuses), statuses
+    latencies = sorted(t for t, _ in probes.results)
+    assert latencies[-1] <= 2.0, latencies[-5:]
+    assert statistics.median(latencies) <= 0.5, latencies
 
 
 def test_tokenize_is_bounded_and_its_replica_survives(cluster):
     before = card_replicas(cluster, MINILM)
     cases = {
         "20,000 inputs": ({"inputs": ["a"] * 20_000, "model": MINILM}, (413, 422)),
+        "8 MiB body": ({"inputs": ["evidence " * 932_000], "model": MINILM}, (413,)),
         "characters": ({"inputs": ["evidence " * 350_000], "model": MINILM}, (413,)),
         # 200k characters (inside the bound), 100k tokens (past limits.max_tokens)
         "tokens": ({"inputs": ["a " * 100_000], "model": MINILM}, (413,)),

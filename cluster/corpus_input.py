@@ -85,8 +85,8 @@ def id_kind(x: Any) -> str | None:
     """"str" or "int" for an id a part can hold; None for anything else (bool, float, list...)."""
     if isinstance(x, str):
         return "str" if x else None
-    if isinstance(x, int) and not isinstance(x, bool):
-        return "int"
+    if isinstance(x, int) and not isinstance(x, bool) and -2 ** 63 <= x < 2 ** 63:
+        return "int"  # (an int64 column)
     return None
 
 

@@ -16,8 +16,9 @@ across a kill and a resume. What makes that hold:
   never in a part (the worker returns it as refused, not embedded), and a resume skips the ids of
   both, so nothing is written twice.
 
-Hidden names (``.lock``, ``.part-*.tmp``, ``.corrupt/``) are what Arrow's dataset discovery skips,
-so ``pyarrow.parquet.read_table`` of the parts (``OUT/part-*.parquet``) sees only parts.
+The job's own files have hidden names (``.lock``, ``.part-*.tmp``, ``.corrupt/``), which Arrow's
+dataset discovery skips; ``errors.jsonl`` is for people and keeps its plain name, so readers take
+the parts as ``OUT/part-*.parquet`` (``pyarrow.parquet.read_table(OUT)`` would try it as Parquet).
 """
 
 from __future__ import annotations

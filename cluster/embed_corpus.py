@@ -20,8 +20,9 @@ long-input policy, so the same vectors) at low priority, with interactive querie
   bisected down to the row. Calls = 1 + refused rows (named), or ~2 log2(batch) per refused row.
 * 429/503 (the bulk lane's bound, a replica being replaced) are retried after their
   ``Retry-After``, for up to ``--max-retry-s`` per call.
-* Resumable: a rerun sends only the rows in neither a part nor errors.jsonl. A rerun against a
-  fleet whose model fingerprint differs from the parts already written stops, naming both.
+* Resumable: a rerun sends only the rows in neither a part nor errors.jsonl (so a row refused
+  once stays refused: to embed refused rows under another ``--long-input``, use a new --out). A
+  rerun against a fleet whose model fingerprint differs from the parts written stops, naming both.
 
 Exit status: 0 every row is embedded; 2 the job finished and some rows are refused (the summary
 counts them by code; errors.jsonl says which and why); 1 the job could not finish (another job
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import logging
 import re
 import sys
@@ -236,7 +238,7 @@ def run(input_path: Path, out: Path, settings: JobSettings, workers: int,
         if new:
             print(f"embed-corpus: {len(new):,} rows refused while reading the input; see "
                   f"{out / ERRORS}", file=sys.stderr)
-        settings = JobSettings(**{**settings.__dict__, "kind": kind, "id_kind": found.kind})
+        settings = dataclasses.replace(settings, kind=kind, id_kind=found.kind)
         progress = Progress(found.total, len(done) + log.lines, log.lines)
         if len(done) + log.lines < found.total:
             skip = frozenset(done | log.ids | found.duplicated)

@@ -9,12 +9,16 @@ import sys
 import time
 from typing import Any
 
+from pydantic import ValidationError
+
 from embedfleet.cluster import doctor, embed_corpus, local, status
 
 from embedfleet.cluster.verify import command as verify
 from embedfleet.cluster.monitoring_stack import start_monitoring, stop_monitoring
 from embedfleet.cluster.render import load_serve_yaml, render_yaml, serve_config
 from embedfleet.deployments.config import ConfigError, EmbedfleetConfig, load_config
+from embedfleet.deployments.config_router import (RouterConfig, is_loopback, keys_required,
+                                                  open_bind_refusal)
 from embedfleet.deployments.options import ray_head_env
 from embedfleet.deployments.settings import settings
 
@@ -24,7 +28,9 @@ def _config(args: argparse.Namespace) -> EmbedfleetConfig:
 
 
 def _load(args: argparse.Namespace) -> tuple[dict[str, Any], EmbedfleetConfig]:
-    """(Serve config to deploy, embedfleet config) from --serve-config or --config."""
+    """(Serve config to deploy, embedfleet config) from --serve-config or --config, with
+    --cards and --host applied. Refused (``ConfigError``) when what would be deployed binds
+    beyond loopback with no API keys and no explicit ``router.allow_unauthenticated``."""
     if getattr(args, "serve_config", None):
         serve_cfg, cfg = load_serve_yaml(args.serve_config)
     else:
@@ -32,7 +38,21 @@ def _load(args: argparse.Namespace) -> tuple[dict[str, Any], EmbedfleetConfig]:
         serve_cfg = None
     if getattr(args, "cards", None):
         cfg = cfg.model_copy(update={"cards": args.cards})
-    return serve_cfg or serve_config(cfg), cfg
+    if host := getattr(args, "host", None):
+        try:  # validated again: the bind decides whether keys are required
+            router = RouterConfig.model_validate({**cfg.router.model_dump(), "host": host})
+        except ValidationError as err:
+            raise ConfigError(f"--host {host}: " + "; ".join(
+                str(e["msg"]).removeprefix("Value error, ") for e in err.errors())) from None
+        cfg = cfg.model_copy(update={"router": router})
+        if serve_cfg is not None:
+            serve_cfg["http_options"]["host"] = host
+            serve_cfg["applications"][0]["args"]["config"]["router"]["host"] = host
+    serve_cfg = serve_cfg or serve_config(cfg)
+    bind = (serve_cfg.get("http_options") or {}).get("host", "0.0.0.0")
+    if why := open_bind_refusal(cfg.router, bind):
+        raise ConfigError(f"refused: {why}")
+    return serve_cfg, cfg
 
 
 def _endpoint(cfg: EmbedfleetConfig) -> str:
@@ -40,7 +60,20 @@ def _endpoint(cfg: EmbedfleetConfig) -> str:
     return f"http://{host}:{cfg.router.port}"
 
 
+def describe_bind(serve_cfg: dict[str, Any], cfg: EmbedfleetConfig) -> str:
+    """One line on where the HTTP ingress listens and whether it asks for keys."""
+    http = serve_cfg.get("http_options") or {}
+    host, port = http.get("host", "0.0.0.0"), http.get("port", cfg.router.port)
+    where = ("loopback only: this machine" if is_loopback(host)
+             else "every interface" if host in ("0.0.0.0", "::") else "that address")
+    keys = ("API keys required" if keys_required(cfg.router)
+            else "NO API keys (router.allow_unauthenticated)" if not is_loopback(host)
+            else "no API keys")
+    return f"HTTP ingress binds {host}:{port} ({where}); {keys}"
+
+
 def _deploy_and_wait(serve_cfg: dict[str, Any], cfg: EmbedfleetConfig, dashboard: str) -> None:
+    print(describe_bind(serve_cfg, cfg))
     local.rest_deploy(dashboard, serve_cfg)
     endpoint = _endpoint(cfg)
     print(f"deployed application '{cfg.app_name}'; waiting until every model has a ready replica")
@@ -172,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                      serve=True)
     up.add_argument("--cards", type=int, help="logical cards of the local Ray head")
     up.add_argument("--detach", action="store_true", help="return once ready; leave it running")
+    up.add_argument("--host", help="interface the HTTP ingress binds (overrides router.host; "
+                    "beyond loopback needs API keys or router.allow_unauthenticated)")
     up.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop the local cluster").set_defaults(func=cmd_down)
     dep = with_config(sub.add_parser("deploy", help="deploy to an existing Ray cluster"),

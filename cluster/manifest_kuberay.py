@@ -4,7 +4,9 @@ Its ``serveConfigV2`` is the rendered Serve config (``embedfleet.cluster.render.
 The head pod advertises no cards (``NPU: 0``), so no engine replica lands on it; each worker pod
 gets its cards from the device plugin and advertises them as Ray's ``NPU`` resource. How many
 worker pods follows from the models' replica bounds (``manifest_spec.worker_bounds``).
-``manifests.render_rayservice`` turns it into YAML text.
+What closes it (Ray's token, the API keys Secret, pod security, the NetworkPolicy, GCS fault
+tolerance) comes from ``manifest_security.py``; ``kuberay_manifests`` is every object
+``manifests.render_rayservice`` turns into YAML text.
 """
 
 from __future__ import annotations
@@ -14,13 +16,19 @@ from typing import Any
 
 import yaml
 
-from embedfleet.cluster.manifest_spec import (ASCEND_ENV, CLIENT_PORT, DASHBOARD_PORT, HEAD_PORT,
+from embedfleet.cluster.manifest_security import (cluster_router_data, container_security,
+                                                  gcs_fault_tolerance, keys_mounted,
+                                                  keys_volume, pod_labels, pod_security,
+                                                  ray_network_policy, redis_manifests,
+                                                  shm_volume)
+from embedfleet.cluster.manifest_spec import (ASCEND_ENV, DASHBOARD_PORT, HEAD_PORT,
                                               HF_HOME_IN_CONTAINER, METRICS_PORT, RAY_VERSION,
                                               AscendClusterSpec, cards_per_node, cluster_spec,
                                               require_ascend, require_given, resources_json,
                                               worker_bounds)
 from embedfleet.cluster.render import serve_config
 from embedfleet.deployments.config import ConfigError, EmbedfleetConfig
+from embedfleet.deployments.config_router import RouterConfig
 from embedfleet.deployments.options import ray_head_env, ray_node_env
 
 
@@ -38,9 +46,14 @@ def _sizes(cpu: str, memory: str, extra: dict[str, Any] | None = None) -> dict[s
     return {"limits": dict(want), "requests": dict(want)}
 
 
-# Ray's object store lives in /dev/shm; a pod's default 64 MB would push it to disk.
-_SHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
 _SHM_MOUNT = {"name": "dshm", "mountPath": "/dev/shm"}
+
+
+def kuberay_config(cfg: EmbedfleetConfig) -> EmbedfleetConfig:
+    """The config the RayService deploys: the router bound to the pod's interfaces and reading
+    the API keys Secret (``manifest_security.cluster_router_data``)."""
+    return cfg.model_copy(update={
+        "router": RouterConfig.model_validate(cluster_router_data(cfg))})
 
 
 def rayservice_manifest(cfg: EmbedfleetConfig,
@@ -49,21 +62,28 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
     require_ascend(cfg)
     spec = spec or cluster_spec(cfg)
     require_given(spec, "--kuberay", "image")
-    name = spec.cluster_name or cfg.app_name
-    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 47:
-        raise ConfigError(f"RayService name {name!r} (app_name) is not a DNS-1035 label of at most "
-                          "47 characters, as KubeRay requires: set cluster.name in the config")
+    name = rayservice_name(cfg, spec)
     cards = cards_per_node(cfg, spec)
     min_workers, max_workers = worker_bounds(cfg, spec)
     worker_selector = dict(spec.node_selector)
     head_selector = worker_selector if spec.head_node_selector is None \
         else dict(spec.head_node_selector)
+    keys = [keys_volume(name)] if keys_mounted(cfg) else []
+    labels = {**spec.labels, **pod_labels(name)}
     head = {
+        # A ClusterIP Service only: the dashboard, GCS and client ports are never published
+        # outside the cluster; the NetworkPolicy narrows who inside may reach them.
+        "serviceType": "ClusterIP",
         "rayStartParams": {
+            # The pod's interfaces, not a host's: KubeRay's own probes read the dashboard on
+            # localhost and its operator through the head Service, so it must listen on both;
+            # the NetworkPolicy admits only the operator's pods, and Ray's token guards it.
             "dashboard-host": "0.0.0.0",
             "resources": _ray_start_resources(cfg, 0),  # no engine replica on the head
+            "object-store-memory": str(_object_store_bytes(spec.head_shm)),
         },
-        "template": {"spec": {
+        "template": {"metadata": {"labels": dict(labels)}, "spec": {
+            "securityContext": pod_security(worker=False),
             "containers": [{
                 "name": "ray-head",
                 "image": spec.image,
@@ -72,13 +92,13 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
                 "ports": [
                     {"containerPort": HEAD_PORT, "name": "gcs-server"},
                     {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
-                    {"containerPort": CLIENT_PORT, "name": "client"},
                     {"containerPort": cfg.router.port, "name": "serve"},
                     {"containerPort": METRICS_PORT, "name": "metrics"},
                 ],
-                "volumeMounts": [dict(_SHM_MOUNT)],
+                "securityContext": container_security(worker=False),
+                "volumeMounts": [dict(_SHM_MOUNT), *(m for _, m in keys)],
             }],
-            "volumes": [dict(_SHM_VOLUME)],
+            "volumes": [shm_volume(spec.head_shm), *(v for v, _ in keys)],
             **({"nodeSelector": head_selector} if head_selector else {}),
         }},
     }
@@ -92,8 +112,10 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
         # group's NPUs from this parameter. CANN's environment (set_env.sh) must be in the
         # image's ENV: KubeRay starts Ray through a login shell that may not source it, and
         # the replicas' start-up check refuses to run without it.
-        "rayStartParams": {"resources": _ray_start_resources(cfg, cards)},
-        "template": {"spec": {
+        "rayStartParams": {"resources": _ray_start_resources(cfg, cards),
+                           "object-store-memory": str(_object_store_bytes(spec.worker_shm))},
+        "template": {"metadata": {"labels": dict(labels)}, "spec": {
+            "securityContext": pod_security(worker=True),
             "containers": [{
                 "name": "ray-worker",
                 "image": spec.image,
@@ -101,24 +123,33 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
                                     {spec.device_plugin_resource: cards}),
                 "env": _env(cfg),
                 "ports": [{"containerPort": METRICS_PORT, "name": "metrics"}],
+                "securityContext": container_security(worker=True),
+                # The weights are read, never written (HF_HUB_OFFLINE=1): read-only, so a
+                # compromised replica cannot plant weights the next replica loads.
                 "volumeMounts": [dict(_SHM_MOUNT),
-                                 {"name": "hf-cache", "mountPath": HF_HOME_IN_CONTAINER}],
+                                 {"name": "hf-cache", "mountPath": HF_HOME_IN_CONTAINER,
+                                  "readOnly": True},
+                                 *(m for _, m in keys)],
             }],
-            "volumes": [dict(_SHM_VOLUME),
+            "volumes": [shm_volume(spec.worker_shm),
                         {"name": "hf-cache", "hostPath": {"path": spec.hf_cache_host_path,
-                                                          "type": "DirectoryOrCreate"}}],
+                                                          "type": "Directory"}},
+                        *(v for v, _ in keys)],
             **({"nodeSelector": worker_selector} if worker_selector else {}),
         }},
     }
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
-        "metadata": {"name": name, **({"namespace": spec.namespace} if spec.namespace else {}),
-                     "labels": dict(spec.labels)},
+        "metadata": {"name": name, **_namespace(spec), "labels": dict(spec.labels)},
         "spec": {
-            "serveConfigV2": serve_config_v2(cfg),
+            "serveConfigV2": serve_config_v2(kuberay_config(cfg)),
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
+                # Ray's token auth on every container, the token in a Secret KubeRay makes
+                # (KubeRay >= 1.5.1, Ray >= 2.52).
+                "authOptions": {"mode": "token"},
+                "gcsFaultToleranceOptions": gcs_fault_tolerance(name, spec),
                 # Worker pods only need to come and go when the replica bounds span nodes.
                 "enableInTreeAutoscaling": min_workers < max_workers,
                 "headGroupSpec": head,
@@ -126,6 +157,36 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
             },
         },
     }
+
+
+def rayservice_name(cfg: EmbedfleetConfig, spec: AscendClusterSpec) -> str:
+    name = spec.cluster_name or cfg.app_name
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 47:
+        raise ConfigError(f"RayService name {name!r} (app_name) is not a DNS-1035 label of at most "
+                          "47 characters, as KubeRay requires: set cluster.name in the config")
+    return name
+
+
+def _namespace(spec: AscendClusterSpec) -> dict[str, str]:
+    return {"namespace": spec.namespace} if spec.namespace else {}
+
+
+def _object_store_bytes(shm: str) -> int:
+    """Ray's object store: 80% of the /dev/shm bound, so Ray's own files there still fit."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    number, unit = shm[:-2], shm[-2:]
+    return int(float(number) * units[unit] * 0.8)
+
+
+def kuberay_manifests(cfg: EmbedfleetConfig,
+                      spec: AscendClusterSpec | None = None) -> list[dict[str, Any]]:
+    """Every object ``render --kuberay`` prints: the GCS's Redis (unless the config names one),
+    the Ray pods' NetworkPolicy, and the RayService. The Secrets are the operator's."""
+    spec = spec or cluster_spec(cfg)
+    service = rayservice_manifest(cfg, spec)
+    name = service["metadata"]["name"]
+    return [*redis_manifests(name, spec, _namespace(spec)),
+            ray_network_policy(cfg, name, spec, _namespace(spec)), service]
 
 
 def serve_config_v2(cfg: EmbedfleetConfig) -> str:

@@ -3,7 +3,9 @@
 910B servers are bought, not rented from a cloud Ray has a node provider for, so this is Ray's
 ``local`` provider: nodes reached over SSH, each running the embedfleet image in Docker. The head
 advertises no cards (``NPU: 0``), so no engine replica lands on it; each worker advertises its
-cards as Ray's ``NPU`` resource. ``manifests.render_cluster_launcher`` turns it into YAML text.
+cards as Ray's ``NPU`` resource. Ray's token auth is on, the dashboard on the head's loopback,
+and the token and API keys file are synced to every node (``manifest_security.py``).
+``manifests.render_cluster_launcher`` turns it into YAML text.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from embedfleet.cluster.manifest_spec import (ASCEND_DRIVER_MOUNTS, ASCEND_ENV,
                                               HF_HOME_IN_CONTAINER, METRICS_PORT,
                                               AscendClusterSpec, cards_per_node, cluster_spec,
                                               require_ascend, require_given, resources_json)
+from embedfleet.cluster.manifest_security import (AUTH_EXPORT, RAY_TOKEN_ENV,
+                                                  launcher_redis_env, launcher_redis_flag,
+                                                  launcher_secret_mounts)
 from embedfleet.deployments.config import ConfigError, EmbedfleetConfig
+from embedfleet.deployments.config_router import is_loopback
 from embedfleet.deployments.options import ray_head_env, ray_node_env
 
 
@@ -26,6 +32,12 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
     require_ascend(cfg)
     spec = spec or cluster_spec(cfg)
     require_given(spec, "--ray-cluster", "image", "head_ip", "worker_ips")
+    if is_loopback(cfg.router.host):
+        # each node's HAProxy reaches a Router replica on another machine at its node address
+        raise ConfigError(
+            f"--ray-cluster: router.host={cfg.router.host!r} is loopback, so an ingress replica "
+            "on one node cannot be reached from another node's HAProxy: set router.host: "
+            "0.0.0.0 with router.api_keys_file (synced to every node)")
     cards = cards_per_node(cfg, spec)
     workers = list(spec.worker_ips)
     need = sum(m.replicas.min_replicas for m in cfg.models)
@@ -40,6 +52,7 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
     driver = [f"-v {p}:{p}:ro" for p in ASCEND_DRIVER_MOUNTS]
     source_cann = " && ".join(f"source {s}" for s in spec.cann_set_env)
     node_env = "".join(f"{k}={shlex.quote(v)} " for k, v in ray_node_env(cfg).items())
+    token_env = "".join(f"{k}={shlex.quote(v)} " for k, v in RAY_TOKEN_ENV.items())
     return {
         "cluster_name": spec.cluster_name or cfg.app_name,
         # Manually managed on-premises nodes: Ray keeps every listed worker in the cluster. The
@@ -56,27 +69,36 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
             # Only workers get cards and the Ascend stack's settings: the head runs no engine
             # and may be a machine without cards.
             "worker_run_options": env_opts + devices + driver
-            + [f"-v {spec.hf_cache_host_path}:{HF_HOME_IN_CONTAINER}"],
+            # The weights are read, never written (HF_HUB_OFFLINE=1): read-only.
+            + [f"-v {spec.hf_cache_host_path}:{HF_HOME_IN_CONTAINER}:ro"],
         },
-        "file_mounts": {"~/embedfleet": spec.repo_dir},
+        # Ray's token and the API keys travel with `ray up` to every node (docs/security.md).
+        "file_mounts": {"~/embedfleet": spec.repo_dir, **launcher_secret_mounts(cfg, spec)},
         "rsync_exclude": [".venv", ".git", "**/__pycache__", ".embedfleet", "benchmarks/results"],
         # The image already carries the heavy pins (vllm-ascend, torch-npu); this installs
         # embedfleet itself, so `embedfleet.deployments.app:build_app` imports on every node.
         # vllm-ascend and vLLM are built from source (cluster/install_ascend.sh); `make setup`
         # is idempotent, so with the image's stack already built it only installs embedfleet.
-        "setup_commands": ["cd ~/embedfleet && make setup EXTRAS=ascend"],
+        # RAY_AUTH_MODE in the login shell too: `ray exec` / `ray attach` commands (serve
+        # deploy, status) then talk to the token-guarded cluster as its nodes do.
+        "setup_commands": [f"grep -qx '{AUTH_EXPORT}' ~/.bashrc || echo '{AUTH_EXPORT}' >> "
+                           "~/.bashrc",
+                           "cd ~/embedfleet && make setup EXTRAS=ascend"],
         "head_start_ray_commands": [
             "ray stop",
             # Serve's controller reads these from the head's environment (options.ray_head_env).
-            " ".join(f"{k}={shlex.quote(v)}" for k, v in ray_head_env(cfg).items())
-            + f" ray start --head --port={HEAD_PORT} --dashboard-host=0.0.0.0 "
+            # Ray's token auth; the dashboard (job submission) on loopback: reach it through
+            # `ray dashboard <this file>`, an SSH tunnel.
+            " ".join(f"{k}={shlex.quote(v)}" for k, v in {
+                **RAY_TOKEN_ENV, **ray_head_env(cfg), **launcher_redis_env(spec)}.items())
+            + f" ray start --head --port={HEAD_PORT} --dashboard-host=127.0.0.1 "
             f"--metrics-export-port={METRICS_PORT} --resources='{resources_json(cfg, 0)}' "
-            "--autoscaling-config=~/ray_bootstrap_config.yaml",
+            f"{launcher_redis_flag(spec)}--autoscaling-config=~/ray_bootstrap_config.yaml",
         ],
         "worker_start_ray_commands": [
             "ray stop",
             # Replicas inherit this shell's environment: CANN's set_env.sh must run here.
-            f"{source_cann} && {node_env}ray start --address=$RAY_HEAD_IP:{HEAD_PORT} "
+            f"{source_cann} && {token_env}{node_env}ray start --address=$RAY_HEAD_IP:{HEAD_PORT} "
             f"--metrics-export-port={METRICS_PORT} --resources='{resources_json(cfg, cards)}'",
         ],
     }

@@ -114,6 +114,21 @@ class AscendClusterSpec:
     worker_memory: str = "512Gi"
     """Per worker pod: eight replicas each stage ~16 GB of bf16 weights through host memory."""
     worker_group: str = "ascend-910b"
+    head_shm: str = "8Gi"
+    """KubeRay: the head's /dev/shm bound (Ray's object store there; the head holds no engine)."""
+    worker_shm: str = "64Gi"
+    """KubeRay: a worker's /dev/shm bound: Ray's object store, through which large calls'
+    texts and vectors pass, within the pod's memory."""
+    redis_address: str | None = None
+    """KubeRay: host:port of the Redis the GCS keeps its tables in; None = the render's own."""
+    redis_image: str = "redis:7.4-alpine"
+    redis_storage: str = "1Gi"
+    prometheus_selector: Mapping[str, str] = field(
+        default_factory=lambda: {"app.kubernetes.io/name": "prometheus"})
+    """KubeRay: labels of the Prometheus pods the NetworkPolicy lets scrape the metrics port."""
+    operator_selector: Mapping[str, str] = field(
+        default_factory=lambda: {"app.kubernetes.io/name": "kuberay-operator"})
+    """KubeRay: labels of the KubeRay operator's pods, which reach the dashboard."""
     labels: dict[str, str] = field(default_factory=lambda: {"app.kubernetes.io/name": "embedfleet"})
 
 
@@ -172,7 +187,8 @@ def cluster_spec(cfg: EmbedfleetConfig, *, image: str | None = None,
         worker_ips=tuple(section.worker_addresses), node_selector=dict(section.node_selector),
         head_node_selector=(None if section.head_node_selector is None
                             else dict(section.head_node_selector)),
-        ssh_user=section.ssh_user, ssh_private_key=section.ssh_private_key)
+        ssh_user=section.ssh_user, ssh_private_key=section.ssh_private_key,
+        redis_address=section.redis_address)
     return with_example_placeholders(cfg, spec) if example else spec
 
 

@@ -38,7 +38,8 @@ from typing import Any
 
 import yaml
 
-from embedfleet.cluster.manifest_kuberay import rayservice_manifest
+from embedfleet.cluster.manifest_kuberay import kuberay_manifests
+from embedfleet.cluster.manifest_security import secret_commands
 from embedfleet.cluster.manifest_launcher import cluster_launcher_config
 from embedfleet.cluster.manifest_spec import (EXAMPLE_HEAD_IP, EXAMPLE_IMAGE, RAY_VERSION,
                                               SOURCES, AscendClusterSpec, address_flag,
@@ -72,7 +73,10 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _Dumper.add_representer(str, _str)
 
 
-def _dump(header: str, data: dict[str, Any]) -> str:
+def _dump(header: str, data: dict[str, Any] | list[dict[str, Any]]) -> str:
+    """``data`` as YAML under ``header``; a list is one document per object."""
+    if isinstance(data, list):
+        return header + yaml.dump_all(data, Dumper=_Dumper, sort_keys=False, width=1 << 16)
     return header + yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=1 << 16)
 
 
@@ -111,12 +115,20 @@ def render_cluster_launcher(cfg: EmbedfleetConfig, spec: AscendClusterSpec | Non
 
 
 def render_rayservice(cfg: EmbedfleetConfig, spec: AscendClusterSpec | None = None) -> str:
-    """KubeRay RayService YAML: serveConfigV2 from the config, device-plugin cards as NPU."""
+    """KubeRay manifests, one YAML document each: the GCS's Redis (unless cluster.redis_address
+    names one), the Ray pods' NetworkPolicy and the RayService (serveConfigV2 from the config,
+    device-plugin cards as NPU). The Secrets they read are the operator's to create."""
     spec = spec or cluster_spec(cfg)
-    data = rayservice_manifest(cfg, spec)
+    docs = kuberay_manifests(cfg, spec)
+    name = docs[-1]["metadata"]["name"]
     apply = "kubectl apply -f <this file>" if spec.namespace else \
         "kubectl apply -n <namespace> -f <this file>"
-    return _dump(_header(spec, ("image",), f"Then: {apply}"), data)
+    secrets = secret_commands(cfg, name, spec)
+    return _dump(_header(
+        spec, ("image",),
+        "Ray's token auth is on (authOptions; KubeRay >= 1.5.1 makes the token's Secret). "
+        "First create the Secrets it reads: " + "; ".join(secrets) + ".",
+        f"Then: {apply}. See docs/security.md for what listens where."), docs)
 
 
 # -- the checked-in examples ------------------------------------------------------------------

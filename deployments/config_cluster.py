@@ -60,6 +60,13 @@ class ClusterDeployConfig(BaseModel):
         default="~/.ssh/id_rsa", description="Launcher only: the private key `ray up` logs in "
         "with (auth.ssh_private_key), a path on the machine running `ray up`.")
 
+    redis_address: str | None = Field(
+        default=None, description="KubeRay only: host:port of an existing Redis the GCS keeps "
+        "its tables in (GCS fault tolerance: a new head pod recovers the cluster's state, "
+        "embedfleet's durable overrides and limits included). None: the render adds its own "
+        "one-pod Redis with its data on a PersistentVolumeClaim. The password always comes "
+        "from the Secret <name>-redis.")
+
     @staticmethod
     def _bad_host(value: str) -> str | None:
         """Why ``value`` is not an IP address or RFC 1123 host name; None when it is one."""
@@ -111,6 +118,11 @@ class ClusterDeployConfig(BaseModel):
         for i, host in enumerate(self.worker_addresses):
             if why := self._bad_host(host):
                 problems.append(f"worker_addresses[{i}]: {why}")
+        if self.redis_address is not None:
+            host, _, port = self.redis_address.rpartition(":")
+            why = self._bad_host(host) if host else "no host"
+            if why or not port.isdigit() or not 0 < int(port) < 65536:
+                problems.append(f"redis_address: {self.redis_address!r} is not host:port")
         repeated = sorted({h for h in self.worker_addresses if self.worker_addresses.count(h) > 1})
         if repeated:
             problems.append(f"worker_addresses: repeated {repeated}")

@@ -1,4 +1,8 @@
-"""The config's ``router`` section: the HTTP ingress's limits, keys and transport.
+"""The config's ``router`` section: the HTTP ingress's bind, keys, limits and transport.
+
+Closed by default: the ingress binds loopback unless told otherwise, and a bind beyond it with no
+API keys is refused at load (so by render, deploy and up alike) unless
+``allow_unauthenticated`` says it is meant (``open_bind_refusal``).
 
 Kept apart from the rest of the schema (``deployments/config.py``, which re-exports it) so that
 file stays one screenful per section; the Router (``api/router.py``) and its calls to the
@@ -7,15 +11,23 @@ replicas (``request_path/remote.py``) read it.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt,
+                      model_validator)
 
 
 class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)  # as every section of the config
 
-    host: str = "0.0.0.0"
+    host: Annotated[str, Field(min_length=1, pattern=r"^\S+$")] = Field(
+        default="127.0.0.1", description="The interface the HTTP ingress binds: Serve's "
+        "http_options.host, so HAProxy's (or Serve's proxy's) frontend and each ingress "
+        "replica's own HTTP server. Loopback keeps the API on this machine, which is all a "
+        "local cluster needs (HAProxy reaches a replica on its own machine over loopback). "
+        "A cluster of several machines, or clients on the network, need 0.0.0.0 (or an "
+        "address), and then API keys or an explicit allow_unauthenticated.")
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     max_body_bytes: PositiveInt = Field(default=8 << 20, description="Larger bodies get 413.")
     max_inputs_per_request: PositiveInt = Field(default=2048, description="OpenAI's own limit.")
@@ -42,10 +54,23 @@ class RouterConfig(BaseModel):
         "Python proxy binds with SO_REUSEPORT, so serve_proxy may share the port on one "
         "machine.")
     api_keys_file: str | None = Field(
-        default=None, description="File of bearer API keys, one per line; none = open API.")
-    api_keys_env: str | None = Field(
-        default="EMBEDFLEET_API_KEYS",
-        description="Environment variable with comma-separated API keys (read at start-up).")
+        default=None, description="Path of the bearer API keys file, which every ingress "
+        "replica reads on its own node when it starts (`~` is its user's home): one key per "
+        "line, `KEY [lane=interactive|bulk] [models=a,b]`, whole-line `#` comments, keys of at "
+        "least 16 visible ASCII characters. Set: keys are required, and a replica that cannot "
+        "read the file or finds no key in it fails to start rather than serve open. On KubeRay "
+        "the render mounts a Secret here instead (docs/security.md).")
+    api_keys_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = Field(
+        default=None, description="Name of an environment variable holding comma-separated "
+        "bearer API keys, read by every ingress replica from its own process environment (its "
+        "node's `ray start` environment, or a Kubernetes Secret on the pod). Set: keys are "
+        "required, and a replica where it is unset or empty fails to start. Keys from here "
+        "have no lane or model limits (the keys file has them).")
+    allow_unauthenticated: bool = Field(
+        default=False, description="Serve without API keys on a bind beyond loopback (host "
+        "0.0.0.0 or an address). Without it such a config is refused by render, deploy and up: "
+        "an open embeddings API on a network hands anyone who reaches it the cards' time. For "
+        "a network already closed in front of the cluster (an authenticating gateway).")
     expose_replica_details: bool = Field(
         default=False, description="Show each replica's node name (an address by default) and "
         "process id in /v1/models. Off: cards are listed by device and state only, so the API "
@@ -82,6 +107,39 @@ class RouterConfig(BaseModel):
         "it (the Router slices one of more than 128 inputs over the replicas). `auto`: "
         "`engine` when the app allows it, http_ingress is haproxy and the model has a fixed "
         "number of replicas (min = max), else `router`.")
+
+    @model_validator(mode="after")
+    def _closed_by_default(self) -> RouterConfig:
+        if why := open_bind_refusal(self):
+            raise ValueError(why)
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the ingress on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it resolves to whatever the network says
+
+
+def keys_required(router: RouterConfig) -> bool:
+    """Whether the config names a source of API keys (each ingress replica then needs them)."""
+    return bool(router.api_keys_file or router.api_keys_env)
+
+
+def open_bind_refusal(router: RouterConfig, host: str | None = None) -> str | None:
+    """Why binding ``host`` (default ``router.host``) with this router section would serve an
+    open API to a network, or None when it would not (loopback, keys, or the explicit flag)."""
+    host = router.host if host is None else host
+    if is_loopback(host) or keys_required(router) or router.allow_unauthenticated:
+        return None
+    return (f"router.host={host!r} binds beyond loopback with no API keys: set "
+            "router.api_keys_file (or router.api_keys_env), bind 127.0.0.1, or set "
+            "router.allow_unauthenticated: true to serve an open API on purpose "
+            "(docs/security.md)")
 
 
 def direct_ingress_refusal(router: RouterConfig, models: list[Any]) -> str | None:

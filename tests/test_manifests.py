@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 from ray.serve.schema import ServeDeploySchema
 
 from embedfleet.cluster.cli import main
-from embedfleet.cluster.manifest_kuberay import rayservice_manifest
+from embedfleet.cluster.manifest_kuberay import kuberay_config, rayservice_manifest
+from embedfleet.cluster.manifest_security import KEYS_FILE_IN_POD, RAY_TOKEN_ENV
 from embedfleet.cluster.manifest_launcher import cluster_launcher_config
 from embedfleet.cluster.manifest_spec import (
     EXAMPLE_IMAGE,
@@ -56,7 +57,13 @@ def launcher() -> dict:
 
 @pytest.fixture(scope="module")
 def rayservice() -> dict:
-    return yaml.safe_load(render_rayservice(ASCEND, EXAMPLE))
+    return rayservice_of(render_rayservice(ASCEND, EXAMPLE))
+
+
+def rayservice_of(text: str) -> dict:
+    """The RayService among the documents ``render --kuberay`` prints."""
+    (svc,) = [d for d in yaml.safe_load_all(text) if d["kind"] == "RayService"]
+    return svc
 
 
 def _flag(command: str, name: str) -> str:
@@ -139,11 +146,12 @@ def test_launcher_head_has_no_cards_and_workers_have_eight(launcher):
     assert "source /usr/local/Ascend/ascend-toolkit/set_env.sh" in worker  # before ray start
     assert worker.index("set_env.sh") < worker.index("ray start")
     # Serve's controller runs on the head and reads the proxy health-check period from its env
-    assert _env_before_ray_start(head) == ray_head_env(ASCEND)
+    assert _env_before_ray_start(head) == {**RAY_TOKEN_ENV, **ray_head_env(ASCEND)}
     assert _env_before_ray_start(head)["RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S"] == "2"
     # every node agrees on HAProxy mode and its replay policy (a value with spaces and a newline
     # stays one word)
-    assert _env_before_ray_start(worker.split(" && ")[-1]) == ray_node_env(ASCEND)
+    assert _env_before_ray_start(worker.split(" && ")[-1]) == {**RAY_TOKEN_ENV,
+                                                                **ray_node_env(ASCEND)}
     assert "\n" in ray_node_env(ASCEND)["RAY_SERVE_HAPROXY_RETRY_ON"]
 
 
@@ -203,8 +211,12 @@ def test_rayservice_required_fields(rayservice):
 
 
 def test_rayservice_serve_config_equals_the_render(rayservice):
+    """The config's Serve render, but reading the API keys Secret mounted on every pod."""
     embedded = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
-    assert embedded == serve_config(ASCEND)
+    assert embedded == serve_config(kuberay_config(ASCEND))
+    router = embedded["applications"][0]["args"]["config"]["router"]
+    assert router["api_keys_file"] == KEYS_FILE_IN_POD and router["host"] == "0.0.0.0"
+    router["api_keys_file"] = ASCEND.router.api_keys_file
     assert embedded == yaml.safe_load((EXAMPLES_DIR / "serve-910b.yaml").read_text())
     ServeDeploySchema.model_validate(embedded)
 
@@ -337,7 +349,7 @@ def _render(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_config_cluster_section_reaches_the_rayservice(cluster_config):
     cfg = load_config(cluster_config)
-    svc = yaml.safe_load(render_rayservice(cfg, cluster_spec(cfg)))
+    svc = rayservice_of(render_rayservice(cfg, cluster_spec(cfg)))
     head, worker = _pods(svc)
     assert svc["metadata"]["name"] == "emb-prod"
     assert svc["metadata"]["namespace"] == "embeddings"
@@ -392,7 +404,7 @@ def test_flags_override_the_config_rayservice(capsys, cluster_config):
                            "--node-selector", "pool=embeddings",
                            "--node-selector", "accelerator=huawei-Ascend910B")
     assert code == 0
-    head, worker = _pods(yaml.safe_load(out))
+    head, worker = _pods(rayservice_of(out))
     assert {c["image"] for c in head["containers"] + worker["containers"]} == {
         "registry.local:5000/emb:2"}
     # Merged key by key over the config's selector; the flag wins on a shared key.

@@ -29,6 +29,7 @@ from fastapi import FastAPI
 
 from embedfleet.deployments.api.router import FleetView, mount_routes, new_api, serve_api_keys
 from embedfleet.deployments.api.routes import ApiRoutes
+from embedfleet.deployments.config import parse_config
 from embedfleet.deployments.contracts import EmbedCall, EmbedResult, Lane
 from embedfleet.deployments.engine.lifecycle import DEFAULT_ENGINE_FACTORY
 from embedfleet.deployments.errors import EngineUnavailable
@@ -44,9 +45,11 @@ class DirectEngineCore(EngineReplica):
 
     async def __init__(self, config: dict[str, Any], model_name: str, registry: Any = None,
                        engine_factory: str = DEFAULT_ENGINE_FACTORY, governor: Any = None) -> None:
+        # Keys first: a replica that must fail closed (keys named, none here) fails before it
+        # loads an engine for minutes.
+        serve_api_keys(self._app, parse_config(config, "direct ingress args"))
         await EngineReplica.__init__(self, config, model_name, registry, engine_factory,
                                      governor)
-        serve_api_keys(self._app, self.cfg)
         fleet = FleetView(registry)
         m = self.cfg.model(model_name)
         # A call's bound, as the Router's: a request never outlives it (a paused engine).

@@ -18,10 +18,11 @@ from starlette.responses import Response
 
 from embedfleet.deployments import metrics
 from embedfleet.deployments.api import openapi
-from embedfleet.deployments.api.auth import ApiKeyMiddleware, load_api_keys, load_key_lanes
+from embedfleet.deployments.api.auth import ApiKeyMiddleware, KeysError, load_keys
 from embedfleet.deployments.api.http import install_error_handlers
 from embedfleet.deployments.api.routes import ApiRoutes
 from embedfleet.deployments.config import EmbedfleetConfig, parse_config
+from embedfleet.deployments.config_router import is_loopback
 from embedfleet.deployments.contracts import (BatchCall, BatchResult, FleetStatus,
                                               ModelReadiness, ReplicaDescription)
 from embedfleet.deployments.request_path.pipeline import EmbedPipeline
@@ -55,21 +56,37 @@ class FleetView:
 
 def new_api() -> FastAPI:
     """A FastAPI app with embedfleet's error handling and per-app API keys
-    (``app.state.api_keys``, empty = open)."""
+    (``app.state.api_keys``, empty = open; each key's lane and model limits beside them)."""
     app = FastAPI(title=TITLE, version="0.1.0", redirect_slashes=False, description=DESCRIPTION)
-    app.state.api_keys, app.state.key_lanes = (), {}
+    app.state.api_keys, app.state.key_lanes, app.state.key_models = (), {}, {}
     app.add_middleware(ApiKeyMiddleware, keys_provider=lambda: app.state.api_keys,
-                       lanes_provider=lambda: app.state.key_lanes)
+                       lanes_provider=lambda: app.state.key_lanes,
+                       models_provider=lambda: app.state.key_models)
     install_error_handlers(app)
     return app
 
 
 def serve_api_keys(app: FastAPI, cfg: EmbedfleetConfig) -> None:
-    """Load the app's API keys (and the lanes they are limited to) into its state."""
-    app.state.api_keys = load_api_keys(cfg.router.api_keys_file, cfg.router.api_keys_env)
-    app.state.key_lanes = load_key_lanes(cfg.router.api_keys_file)
-    logger.info("HTTP ingress up; API keys %s", f"required ({len(app.state.api_keys)})"
-                if app.state.api_keys else "not configured (open API)")
+    """Load the app's API keys (and what each may use) into its state, as this ingress replica
+    finds them on its own node. Fails closed: when the config names a source of keys and it
+    gives none here, raise, so the replica never starts (``auth.load_keys``)."""
+    router = cfg.router
+    try:
+        keys = load_keys(router.api_keys_file, router.api_keys_env, [m.name for m in cfg.models])
+    except KeysError as err:
+        logger.error("HTTP ingress refuses to start: %s", err)
+        raise
+    app.state.api_keys = keys.keys
+    app.state.key_lanes = {k: v.lane for k, v in (keys.limits or {}).items() if v.lane}
+    app.state.key_models = {k: v.models for k, v in (keys.limits or {}).items()
+                            if v.models is not None}
+    if keys.keys:
+        logger.info("HTTP ingress up; API keys required (%d)", len(keys.keys))
+    elif is_loopback(router.host):
+        logger.info("HTTP ingress up on loopback (%s); no API keys configured", router.host)
+    else:
+        logger.warning("HTTP ingress up on %s with NO API keys (router.allow_unauthenticated): "
+                       "anyone who reaches it may use it", router.host)
 
 
 class RouterCore:

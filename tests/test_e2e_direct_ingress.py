@@ -71,7 +71,7 @@ print(json.dumps({"vectors": res.vectors.tolist(), "tokens": list(res.tokens),
 """
 
 
-KEY = "sk-direct-e2e"
+KEY = "sk-direct-e2e-0123456789"  # keys have at least 16 characters (api/auth.py)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -165,7 +165,7 @@ def test_a_burst_past_the_owner_queue_gets_429_and_the_rest_vectors(direct, refe
 def test_the_apps_api_key_is_required_by_the_engine_replica(direct):
     """The keys are the app's own (set on the FastAPI app Serve serves in the replica)."""
     url, _ = direct
-    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+    for headers in ({}, {"Authorization": "Bearer sk-wrong-0123456789"}):
         resp = requests.post(f"{url}/v1/embeddings", json={"model": MINILM, "input": "a"},
                              headers=headers, timeout=30)
         assert resp.status_code == 401, resp.text

@@ -26,7 +26,7 @@ from embedfleet.deployments.errors import (BodyTooLarge, EmbedfleetError, Engine
                                            InvalidTokenId, ModelNotFound, NotReady, Overloaded,
                                            RequestTooLarge, RequestValidation, TooManyInputs,
                                            Unauthorized,
-                                           LaneNotAllowed,
+                                           LaneNotAllowed, ModelNotAllowed,
                                            UnsupportedMediaType, UnsupportedParameter)
 
 
@@ -112,15 +112,16 @@ class NotReadyBody(ErrorBody, Readiness):
 # A 500 (errors.InternalError) is a bug, so it is never documented: a fuzzer must flag it.
 AUTH = (Unauthorized,)  # only when the app has API keys (api/auth.py); /health is always open
 BODY = (InvalidJSON, BodyTooLarge, UnsupportedMediaType, RequestValidation)  # read + parse
-EMBED = (LaneNotAllowed, ModelNotFound, TooManyInputs, RequestTooLarge, UnsupportedParameter,
-         InvalidParameterValue, InputTooLong, Overloaded, NotReady,
+EMBED = (LaneNotAllowed, ModelNotAllowed, ModelNotFound, TooManyInputs, RequestTooLarge,
+         UnsupportedParameter, InvalidParameterValue, InputTooLong, Overloaded, NotReady,
          EngineUnavailable)  # the pipeline, every API
 ROUTE_ERRORS: dict[str, tuple[type[EmbedfleetError], ...]] = {
     "/v1/embeddings": AUTH + BODY + EMBED + (InvalidTokenId,),  # token-id input: OpenAI only
     "/embed": AUTH + BODY + EMBED,
     # the model's own tokenizer: the request bounds (422, 413), the replica's tokenize queue
     # (429), request_timeout_s (503 when it does not answer)
-    "/tokenize": AUTH + BODY + (LaneNotAllowed, InvalidParameterValue, ModelNotFound,
+    "/tokenize": AUTH + BODY + (LaneNotAllowed, ModelNotAllowed, InvalidParameterValue,
+                                ModelNotFound,
                                 TooManyInputs, RequestTooLarge, UnsupportedParameter, Overloaded,
                                 EngineUnavailable),
     # 503 when the registry (the fleet's status) does not answer in time

@@ -19,6 +19,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from embedfleet.deployments import metrics
+from embedfleet.deployments.api.auth import check_model_allowed
 from embedfleet.deployments.api.http import json_response, read_json_body
 from embedfleet.deployments.api.lanes import request_lane
 from embedfleet.deployments.api.openai import (embedding_response, parse_embedding_request,
@@ -87,6 +88,7 @@ class ApiRoutes:
             req = parse_embedding_request(
                 await read_json_body(request, self.cfg.router.max_body_bytes))
             seen.append(req.model)
+            check_model_allowed(request.state, req.model)  # the key's models= (403)
             out = await self.pipeline.run(to_pipeline(req, request_lane(request, req.lane)),
                                           request_id)
             self._served(req.model, len(out.vectors), out.prompt_tokens)
@@ -108,6 +110,7 @@ class ApiRoutes:
                 await read_json_body(request, self.cfg.router.max_body_bytes))
             model = req.model or self._default_model
             seen.append(model)
+            check_model_allowed(request.state, model)  # the key's models= (403)
             out = await self.pipeline.run(
                 tei_to_pipeline(req, model, request_lane(request, req.lane)), request_id)
             self._served(model, len(out.vectors), out.prompt_tokens)
@@ -146,6 +149,7 @@ class ApiRoutes:
                 await read_json_body(request, self.cfg.router.max_body_bytes))
             model = req.model or self._default_model
             seen.append(model)
+            check_model_allowed(request.state, model)  # the key's models= (403)
             # the same bounds as /embed before any work: inputs, characters (413)
             check_request_size(self.cfg, self.pipeline.resolve(model), req.inputs, "inputs")
             lane = request_lane(request, None)

@@ -66,14 +66,14 @@ reference-sources: $(STAMP)
 # No bench-setup here: the suite's bench smoke runs the vllm, vllm-serve and embedfleet peers;
 # Infinity's venv is for `embedfleet bench` (make bench-setup).
 # The tiers are pytest markers (pyproject.toml; tests/conftest.py orders them): `make test` runs
-# every tier, unit tests first while the session cluster starts in the background, then the
-# `cluster` tests, then the Ascend install's dry-run resolves (`ascend_install`, network).
+# every tier, unit and `engine` tests first while the session cluster starts in the background,
+# then the `cluster` tests, then the Ascend install's dry-run resolves (`ascend_install`, network).
 test: setup reference-sources
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Unit tests only: no cluster (no Ray, no port 8000), no network in the tests themselves (the
-# reference sources are an install step, fetched once like the venv).
-UNIT_MARKERS := not cluster and not ascend_install
+# Unit tests only: no cluster (no Ray, no port 8000), no real vLLM engine, no network in the
+# tests themselves (the reference sources are an install step, fetched once like the venv).
+UNIT_MARKERS := not cluster and not engine and not ascend_install
 test-unit: setup reference-sources
 	$(PY) -m pytest -m "$(UNIT_MARKERS)" $(PYTEST_ARGS)
 

@@ -24,6 +24,9 @@ from tests.support.card_model import CardReservingEngine, SimulatedCard
 from tests.support.fault_injectors import CacheHitCorruptingFaultInjector
 
 ROOT = Path(__file__).resolve().parent.parent
+# Real vLLM engines, started and swapped in this process: minutes on two cores, so not in
+# `make test-unit` (pyproject's `engine` tier); `make test` runs them.
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from embedfleet.deployments.options import RUNTIME_ENV_VARS
 
 # What Serve's component logger leaves in a replica before user code imports vLLM.
@@ -47,6 +49,7 @@ def _probes(*extra_envs: dict[str, str]) -> list[str]:
     return out
 
 
+@pytest.mark.engine  # two fresh processes start vLLM: the `engine` tier, not `make test-unit`
 def test_the_replicas_runtime_env_keeps_serves_log_handler_through_vllms_start():
     shipped, without = _probes(dict(RUNTIME_ENV_VARS), {})
     assert shipped == "target-kept"

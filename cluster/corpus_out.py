@@ -75,7 +75,7 @@ class OutLock:
         return True
 
     def acquire(self) -> None:
-        for _ in range(3):  # another job may take over the same stale lock at the same moment
+        for _ in range(40):  # another job may take or release the lock at the same moment
             if self._create():
                 return
             try:
@@ -84,6 +84,9 @@ class OutLock:
             except FileNotFoundError:
                 continue
             except (ValueError, KeyError, TypeError):
+                if time.time() - self.path.stat().st_mtime < 2:  # being written: read it again
+                    time.sleep(0.1)
+                    continue
                 raise CorpusError(f"{self.path} is not a lock this job can read; if no job is "
                                   "writing to the folder, delete it") from None
             since = owner.get("started", "?")

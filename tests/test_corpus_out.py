@@ -61,7 +61,19 @@ def test_a_lock_of_another_host_is_never_taken_over(tmp_path):
     with pytest.raises(CorpusError, match="on elsewhere"):
         co.OutLock(tmp_path).acquire()
     (tmp_path / co.LOCK).write_text("")  # cut while being written: nothing to judge it by
+    past = os.path.getmtime(tmp_path / co.LOCK) - 10  # (a young one is read again: being written)
+    os.utime(tmp_path / co.LOCK, (past, past))
     with pytest.raises(CorpusError, match="not a lock this job can read"):
+        co.OutLock(tmp_path).acquire()
+
+
+def test_a_lock_read_while_its_owner_writes_it_is_read_again(tmp_path):
+    import threading
+
+    (tmp_path / co.LOCK).write_text("")  # created, not yet written
+    owner = {"pid": os.getpid(), "host": socket.gethostname()}
+    threading.Timer(0.3, lambda: (tmp_path / co.LOCK).write_text(json.dumps(owner))).start()
+    with pytest.raises(CorpusError, match=rf"another embed-corpus job .*\(pid {os.getpid()}"):
         co.OutLock(tmp_path).acquire()
 
 

@@ -85,7 +85,8 @@ def rows_in(out) -> int:
 
 def errors_of(out) -> list[dict]:
     path = out / "errors.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    whole = path.read_text().split("\n")[:-1] if path.exists() else []  # (one being written)
+    return [json.loads(x) for x in whole]
 
 
 def check_every_row_once(out, n: int, long_refused: bool, bad: bool = True) -> dict[str, int]:
@@ -152,15 +153,19 @@ def test_a_killed_job_on_a_real_corpus_resumes_to_every_row_exactly_once(
 
     # 1. The model's own policy (MiniLM's: reject); parts of 8 rows, so there is time to kill.
     job = start_job(src, out, "--batch-size", "8", "--inflight", "1")
-    deadline = time.monotonic() + 300
-    while len(parts_of(out)) < 3 and job.poll() is None and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120
+    while not (out / ".lock").exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert job.poll() is None, f"the job ended before it could be killed: {job.stderr.read()}"
-    # One writer per --out: a second job on the folder is refused at once, naming the first.
+    # One writer per --out: a second job on the folder is refused at once, naming the first
+    # (which takes its lock before it connects to Ray, so it is still starting or running).
     second = start_job(src, out)
     _, err2 = second.communicate(timeout=120)
     assert second.returncode == 1, err2[-3000:]
     assert f"another embed-corpus job writes to {out} (pid {job.pid}" in err2, err2[-3000:]
+    deadline = time.monotonic() + 300
+    while len(parts_of(out)) < 3 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.poll() is None, f"the job ended before it could be killed: {job.stderr.read()}"
     # Ids are checked while reading, before any call: both rows of the repeated id are refused
     # already, though the job has done only a few parts.
     assert sum(e["code"] == "duplicate_id" for e in errors_of(out)) == 2

@@ -55,16 +55,22 @@ def input_files(path: Path) -> tuple[str, list[str]]:
 
 def jsonl_rows(path: str) -> Iterator[tuple[int, str]]:
     """(line number, line) of each row of a JSONL file, split as Ray Data's ``read_text`` splits
-    it. A file that is not UTF-8 cannot be read by Ray Data at all, so it stops the job here."""
-    data = Path(path).read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise CorpusError(f"{path} is not UTF-8 (byte {err.start}); Ray Data cannot read it: "
-                          "re-encode it") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            yield n, line
+    it (``str.splitlines`` of the whole text, blank lines dropped), one ``\n``-line at a time: a
+    UTF-8 character never holds the byte ``\n``, and ``splitlines`` of each such line gives the
+    same pieces. A file that is not UTF-8 cannot be read by Ray Data at all, so it stops the job."""
+    n = 0
+    with open(path, "rb") as fh:
+        for raw in fh:
+            try:
+                piece = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise CorpusError(f"{path}:{n + 1} is not UTF-8 ({err.reason} at byte "
+                                  f"{err.start} of the line); Ray Data cannot read the file: "
+                                  "re-encode it") from None
+            for line in piece.splitlines():
+                n += 1
+                if line.strip():
+                    yield n, line
 
 
 def parse_line(line: str) -> dict[str, Any] | None:

@@ -164,20 +164,22 @@ class BatchEmbedder:
             prints.append(fingerprint_of(res.fingerprint))
         return got, prints, refused
 
-    def _rows(self, rows: dict[str, np.ndarray]) -> list[tuple[Any, Any, Any]]:
-        """(id, text, prompt_name) of the block's rows; a JSONL block holds raw lines."""
+    def _rows(self, rows: Any) -> list[tuple[Any, Any, Any]]:
+        """(id, text, prompt_name) of the block's rows (an Arrow table: ids and nulls as they
+        are; numpy would hand an int column with a null as floats). A JSONL block holds lines."""
         if self.settings.kind == "json":
             out = []
-            for line in rows["text"].tolist():
+            for line in rows.column("text").to_pylist():
                 row = parse_line(line)
                 if row is not None:  # a line that is not JSON: refused by the scan
                     out.append((row.get("id"), row.get("text"), row.get("prompt_name")))
             return out
-        ids, texts = rows["id"].tolist(), rows["text"].tolist()
-        prompts = rows["prompt_name"].tolist() if "prompt_name" in rows else [None] * len(ids)
+        ids, texts = rows.column("id").to_pylist(), rows.column("text").to_pylist()
+        prompts = (rows.column("prompt_name").to_pylist() if "prompt_name" in rows.column_names
+                   else [None] * len(ids))
         return list(zip(ids, texts, prompts))
 
-    def __call__(self, rows: dict[str, np.ndarray]) -> Any:
+    def __call__(self, rows: Any) -> Any:
         import pyarrow as pa
 
         ids: list[Any] = []
@@ -281,7 +283,7 @@ def _embed_rest(files: list[str], out: Path, settings: JobSettings, workers: int
         ds = ds.repartition(target_num_rows_per_block=rows)
         embedded = ds.map_batches(
             BatchEmbedder, fn_constructor_args=(settings, ray.put(skip) if skip else None),
-            batch_size=rows, batch_format="numpy",
+            batch_size=rows, batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=0.1,
             # A worker that dies fails the job instead of restarting: a rerun resumes, and Ray
             # warns on every run about restarting actors whose arguments live in the store.

@@ -178,6 +178,20 @@ def test_the_scan_reads_only_the_ids_of_parquet_and_needs_id_and_text(tmp_path):
         ci.scan(*ci.input_files(tmp_path / "c.parquet"))
 
 
+def test_the_scan_splits_rows_exactly_as_ray_datas_read_text(tmp_path):
+    """read_text: ``data.decode().splitlines()``, blank lines dropped (tests/support/
+    ray_touch_points.py holds Ray to it); the scan streams the file a line at a time."""
+    import random
+
+    alphabet = ["a", "b", "\n", "\r", "\r\n", "\u2028", "\x85", " ", "\x0b", "\x1c", "é"]
+    for seed in range(500):
+        rng = random.Random(seed)
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        (tmp_path / "a.jsonl").write_bytes(text.encode())
+        want = [(k, line) for k, line in enumerate(text.splitlines(), 1) if line.strip() != ""]
+        assert list(ci.jsonl_rows(str(tmp_path / "a.jsonl"))) == want, repr(text)
+
+
 def test_a_file_ray_data_cannot_decode_stops_the_job_before_any_call(tmp_path):
     (tmp_path / "a.jsonl").write_bytes(b'{"id": "a", "text": "\xff"}\n')
     with pytest.raises(CorpusError, match="is not UTF-8"):

@@ -23,7 +23,7 @@ from embedfleet.cluster import corpus_out as co
 from embedfleet.cluster import embed_corpus as ec
 from embedfleet.deployments.errors import ModelNotFound, Overloaded, UnsupportedParameter
 from tests.support.standin_corpus_fleet import (FINGERPRINT, StandInHandle, Killed, embedder,
-                                                in_process_rest, numpy_block, tokens_of,
+                                                in_process_rest, arrow_block, tokens_of,
                                                 vector_of)
 
 LONG = "word " * 30  # 32 tokens: over the stand-in's 16, under its 64 in all
@@ -45,7 +45,7 @@ def rows_of(table: pa.Table) -> tuple[dict, dict]:
 
 def test_a_block_is_sent_in_runs_of_one_prompt_on_the_bulk_lane_skipping_finished_ids():
     handle = StandInHandle()
-    block = numpy_block({"id": ["a", "b", "c", "d", "e"], "text": ["t1", "t2", "t3", "t4", "t5"],
+    block = arrow_block({"id": ["a", "b", "c", "d", "e"], "text": ["t1", "t2", "t3", "t4", "t5"],
                          "prompt_name": ["q", "q", "q", None, "q"]})
     out = embedder(handle, settings(batch_size=2), skip=frozenset({"b"}))(block)
     assert [(c.texts, c.prompt_name, c.lane) for c in handle.calls] == [
@@ -60,7 +60,7 @@ def test_a_block_is_sent_in_runs_of_one_prompt_on_the_bulk_lane_skipping_finishe
 def test_the_long_input_mode_goes_with_every_call(mode):
     handle = StandInHandle()
     out = embedder(handle, settings(long_input=mode))(
-        numpy_block({"id": ["s", "l"], "text": ["short text", LONG]}))
+        arrow_block({"id": ["s", "l"], "text": ["short text", LONG]}))
     assert {c.long_input for c in handle.calls} == {mode}
     embedded, refused = rows_of(out)
     if mode in (None, "reject"):  # the stand-in model's policy is reject
@@ -73,7 +73,7 @@ def test_a_named_refusal_costs_one_call_and_none_of_the_calls_other_rows():
     handle = StandInHandle()
     texts = ["a b", LONG, "c d", LONG, "e f", "g h"]
     out = embedder(handle, settings(batch_size=6))(
-        numpy_block({"id": [f"r{i}" for i in range(6)], "text": texts}))
+        arrow_block({"id": [f"r{i}" for i in range(6)], "text": texts}))
     embedded, refused = rows_of(out)
     assert refused == {"r1": "context_length_exceeded", "r3": "context_length_exceeded"}
     assert {k: v for k, v in embedded.items()} == {
@@ -88,7 +88,7 @@ def test_a_refusal_of_the_whole_call_is_bisected_down_to_its_row():
     handle = StandInHandle(max_chars=400)  # the 401-character text is too large alone
     texts = [f"t{i}" for i in range(7)] + ["x" * 401]
     out = embedder(handle, settings(batch_size=8))(
-        numpy_block({"id": [f"r{i}" for i in range(8)], "text": texts}))
+        arrow_block({"id": [f"r{i}" for i in range(8)], "text": texts}))
     embedded, refused = rows_of(out)
     assert refused == {"r7": "request_limit_exceeded"} and len(embedded) == 7
     assert len(handle.calls) <= 2 * 3 + 1  # ~2 log2(8) calls, not one per row
@@ -97,7 +97,7 @@ def test_a_refusal_of_the_whole_call_is_bisected_down_to_its_row():
 def test_a_refused_prompt_name_refuses_its_run_and_a_job_level_refusal_stops_the_job():
     handle = StandInHandle([UnsupportedParameter("model 'm' has no prompt template 'zz'",
                                                  param="prompt_name")])
-    out = embedder(handle, settings())(numpy_block(
+    out = embedder(handle, settings())(arrow_block(
         {"id": ["a", "b", "c"], "text": ["x", "y", "z"], "prompt_name": ["zz", "zz", None]}))
     embedded, refused = rows_of(out)
     assert refused == {"a": "unsupported_parameter", "b": "unsupported_parameter"}
@@ -105,17 +105,17 @@ def test_a_refused_prompt_name_refuses_its_run_and_a_job_level_refusal_stops_the
     handle = StandInHandle([ModelNotFound("model 'm' does not exist", param="model")])
     with pytest.raises(ec.CorpusError, match=r"refused the call starting at id 'a' \(404 "
                                              r"model_not_found\)"):
-        embedder(handle, settings())(numpy_block({"id": ["a"], "text": ["x"]}))
+        embedder(handle, settings())(arrow_block({"id": ["a"], "text": ["x"]}))
 
 
 def test_a_429_is_retried_after_its_retry_after_until_max_retry_s():
     handle = StandInHandle([Overloaded("bulk queue full", retry_after_s=0.01)])
     out = embedder(handle, settings(id_kind="int"))(
-        numpy_block({"id": [7, 8], "text": ["x", "y"]}))
+        arrow_block({"id": [7, 8], "text": ["x", "y"]}))
     assert len(handle.calls) == 2 and rows_of(out)[0].keys() == {7, 8}
     handle = StandInHandle([Overloaded("full", retry_after_s=0.2)] * 5)
     with pytest.raises(ec.CorpusError, match="could not be served for 0.3s"):
-        embedder(handle, settings(max_retry_s=0.3))(numpy_block({"id": ["a"], "text": ["x"]}))
+        embedder(handle, settings(max_retry_s=0.3))(arrow_block({"id": ["a"], "text": ["x"]}))
 
 
 def test_texts_that_cannot_be_sent_are_refused_without_a_call_and_jsonl_lines_parsed():
@@ -125,7 +125,7 @@ def test_texts_that_cannot_be_sent_are_refused_without_a_call_and_jsonl_lines_pa
              '{"id": "g", "text": "skipped: a duplicate"}', '{"id": 9, "text": "wrong kind"}']
     handle = StandInHandle()
     out = embedder(handle, settings(kind="json"), skip=frozenset({"g"}))(
-        numpy_block({"text": lines}))
+        arrow_block({"text": lines}))
     embedded, refused = rows_of(out)
     assert list(embedded) == ["a"] and [c.texts for c in handle.calls] == [["fine"]]
     # broken lines, missing / wrong-kind ids and duplicates were refused by the scan, by row
@@ -232,6 +232,22 @@ def test_exit_1_when_the_job_cannot_finish_and_its_summary_when_it_can(tmp_path,
     assert ("holds 27 of 40 rows embedded and 13 refused (context_length_exceeded 7, "
             "duplicate_id 2, empty_text 1, invalid_json 1, missing_id 1, non_string_text 1"
             in summary), summary
+
+
+def test_a_parquet_corpus_with_null_and_repeated_ids_and_texts(tmp_path, monkeypatch):
+    src, out = tmp_path / "c.parquet", tmp_path / "out"
+    ids = list(range(30)) + [None, 4]
+    texts = [LONG if i % 10 == 2 else f"text {i}" for i in range(30)] + ["x", "again"]
+    texts[6] = None
+    pq.write_table(pa.table({"id": ids, "text": texts, "other": ["-"] * 32}), src)
+    assert job(src, out, StandInHandle(), "chunk", monkeypatch=monkeypatch) == ec.EXIT_REFUSED
+    parts, errors = where_rows_ended(out)
+    assert sorted(parts) == sorted(set(range(30)) - {4, 6})  # the long rows chunked
+    assert sorted((e["id"], e["code"], e["row"]) for e in errors if e["id"] is not None) == [
+        (4, "duplicate_id", "c.parquet:32"), (4, "duplicate_id", "c.parquet:5"),
+        (6, "empty_text", None)]
+    assert [(e["code"], e["row"]) for e in errors if e["id"] is None] == [
+        ("missing_id", "c.parquet:31")]
 
 
 def test_progress_shows_rows_done_refused_texts_per_s_and_an_eta(capsys):

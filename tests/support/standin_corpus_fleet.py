@@ -97,12 +97,11 @@ def embedder(handle: StandInHandle, settings: ec.JobSettings,
     return e
 
 
-def numpy_block(columns: dict[str, list]) -> dict[str, np.ndarray]:
-    """A numpy batch the way Ray Data hands one to a worker (from an Arrow block)."""
+def arrow_block(columns: dict[str, list]) -> Any:
+    """A batch the way Ray Data hands one to a worker (``batch_format="pyarrow"``)."""
     import pyarrow as pa
-    from ray.data.block import BlockAccessor
 
-    return BlockAccessor.for_block(pa.table(columns)).to_batch_format("numpy")
+    return pa.table(columns)
 
 
 class Killed(Exception):
@@ -130,7 +129,7 @@ def in_process_rest(handle: StandInHandle, kill_after: int | None = None):
         for n, block in enumerate(blocks_in):
             if kill_after is not None and n == kill_after:
                 raise Killed(f"killed after {n} blocks")
-            batch = worker(numpy_block(block))
+            batch = worker(arrow_block(block))
             if batch.num_rows:
                 e, r, t, fingerprint = take_block(out, batch, fingerprint, log, done)
                 progress.add(e, r, t)

@@ -1,4 +1,4 @@
-"""The corpus job's input: which files, what a row is, and which rows are refused before any is sent.
+"""The corpus job's input: which files, what a row is, which rows are refused before any call.
 
 Real corpora have broken rows: a line that is not JSON, a row without an id, an id used twice, an
 empty text, a number where the text should be. None of them may stop a job of millions of rows,

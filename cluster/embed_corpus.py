@@ -333,10 +333,10 @@ def cmd_embed_corpus(args: argparse.Namespace) -> int:
             raise
         print(f"\nerror: {why}", file=sys.stderr)
         return EXIT_FAILED
+    where = f" ({s['codes']}; see {Path(args.out) / ERRORS})" if s["refused"] else ""
     print(f"embedded {s['embedded']:,} rows in this run; {args.out} holds {s['held']:,} of "
-          f"{s['total']:,} rows embedded and {s['refused']:,} refused"
-          f"{' (' + s['codes'] + '; see ' + str(Path(args.out) / ERRORS) + ')' if s['refused'] else ''}"
-          f" ({s['texts_per_s']:,.0f} texts/s)")
+          f"{s['total']:,} rows embedded and {s['refused']:,} refused{where} "
+          f"({s['texts_per_s']:,.0f} texts/s)")
     return EXIT_REFUSED if s["refused"] else EXIT_OK
 
 

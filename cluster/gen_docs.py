@@ -134,7 +134,8 @@ def configuration_md() -> str:
     ]
     for path, model in config_sections():
         title = model.__name__ if not path else f"{model.__name__} (`{path}`)"
-        lines += [f"## {title}", ""]
+        # an explicit anchor: the heading's own (GitHub's) carries the path too
+        lines += [f'<a id="{model.__name__.lower()}"></a>', "", f"## {title}", ""]
         doc = (model.__doc__ or "").strip()
         if doc and not doc.startswith(("A base class", "Usage docs")):
             lines += [" ".join(doc.split("\n\n")[0].split()), ""]

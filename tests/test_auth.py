@@ -1,5 +1,6 @@
 """Bearer API keys: parsing the keys file, failing closed, the middleware over real HTTP
-(Starlette's client), and per-key model allow-lists. No cluster."""
+(Starlette's client), per-key model allow-lists, and rotation by rewriting the file. No
+cluster."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 from fastapi import FastAPI, Request
 from starlette.testclient import TestClient
 
-from embedfleet.deployments.api.auth import (MIN_KEY_CHARS, ApiKeyMiddleware, KeysError,
-                                             KeyLimits, check_model_allowed, key_matches,
+from embedfleet.deployments.api.auth import (MIN_KEY_CHARS, ApiKeyMiddleware, KeyLimits,
+                                             KeyRing, KeysError, check_model_allowed, key_matches,
                                              load_api_keys, load_keys, parse_keys_file)
 from embedfleet.deployments.api.router import new_api, serve_api_keys
 from embedfleet.deployments.config import DEFAULT_CONFIG_PATH, load_config
@@ -184,3 +185,72 @@ def test_a_key_limited_to_some_models_gets_403_for_another():
     # a key without a list may use any model
     assert client.post("/v1/embeddings", headers={"Authorization": f"Bearer {ONE}",
                                                   "x-model": "c"}).status_code == 200
+
+
+# -- rotation: the keys file re-read when it changes --------------------------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _rewrite(path, text: str) -> None:
+    """A new version of the file, as an editor or the kubelet's Secret update leaves it."""
+    tmp = path.with_suffix(".new")
+    tmp.write_text(text)
+    tmp.replace(path)  # a new inode: seen even within the file system's mtime resolution
+
+
+def test_a_changed_keys_file_is_enforced_after_the_recheck_without_a_restart(tmp_path):
+    f, clock = tmp_path / "keys", Clock()
+    f.write_text(f"{ONE}\n")
+    ring = KeyRing(str(f), None, recheck_s=5, clock=clock)
+    _rewrite(f, f"{ONE}\n{TWO} models=a\n")
+    clock.t = 4.9
+    assert ring.current().keys == (ONE.encode(),)  # no stat before the recheck is due
+    clock.t = 5.0
+    assert ring.current().keys == (ONE.encode(), TWO.encode())
+    assert ring.current().limits_of(TWO.encode()).models == frozenset({"a"})
+    _rewrite(f, f"{TWO}\n")  # the old key retired
+    clock.t = 10.0
+    assert ring.current().keys == (TWO.encode(),)
+
+
+@pytest.mark.parametrize("broken", ["", "# all keys removed by mistake\n", "short\n"])
+def test_a_broken_rewrite_keeps_the_keys_it_had_never_opens(tmp_path, broken, caplog):
+    f, clock = tmp_path / "keys", Clock()
+    f.write_text(f"{ONE}\n")
+    ring = KeyRing(str(f), None, recheck_s=5, clock=clock,
+                   log=logging.getLogger("embedfleet.router"))
+    _rewrite(f, broken)
+    clock.t = 5.0
+    with caplog.at_level(logging.ERROR, "embedfleet.router"):
+        assert ring.current().keys == (ONE.encode(),)
+    assert "keeping the 1 keys loaded before" in caplog.text
+
+
+def test_the_ingress_app_follows_a_rotation(tmp_path):
+    """The Router's own app (``new_api`` + ``serve_api_keys``): a key added to the file is
+    accepted and a removed one refused, on the next request after the recheck."""
+    f, clock = tmp_path / "keys", Clock()
+    f.write_text(f"{ONE}\n")
+    cfg = _cfg(api_keys_file=str(f))
+    app = new_api()
+
+    @app.get("/v1/models")
+    def models():
+        return {"data": []}
+
+    serve_api_keys(app, cfg)
+    app.state.key_ring = KeyRing(str(f), None, recheck_s=5, clock=clock)  # a hand-moved clock
+    client = TestClient(app)
+    one, two = ({"Authorization": f"Bearer {k}"} for k in (ONE, TWO))
+    assert client.get("/v1/models", headers=one).status_code == 200
+    assert client.get("/v1/models", headers=two).status_code == 401
+    _rewrite(f, f"{TWO}\n")
+    clock.t = 5.0
+    assert client.get("/v1/models", headers=two).status_code == 200
+    assert client.get("/v1/models", headers=one).status_code == 401

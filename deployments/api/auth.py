@@ -153,6 +153,56 @@ def load_keys(keys_file: str | None, keys_env: str | None, models: Any = None,
                    {k.encode(): v for k, v in table.items() if v != KeyLimits()})
 
 
+class KeyRing:
+    """The keys an ingress enforces, re-read when the keys file changes: rotation without a
+    restart (add the new key, move clients, remove the old one). A Kubernetes Secret volume is
+    updated in place by the kubelet, so the same holds on KubeRay.
+
+    ``current()`` looks at the file at most every ``recheck_s`` (one ``stat``; a request never
+    waits for more). A changed file that no longer parses, or holds no key, is refused like at
+    start, but the replica keeps the keys it has: a typo never opens the API nor locks everyone
+    out. The first load (``__init__``) raises ``KeysError``: a replica without keys never starts.
+    """
+
+    def __init__(self, keys_file: str | None, keys_env: str | None, models: Any = None,
+                 recheck_s: float = 5.0, clock=None, log=None) -> None:
+        import time
+
+        self._file, self._env, self._models = keys_file, keys_env, models
+        self._recheck_s, self._clock = recheck_s, clock or time.monotonic
+        self._log = log
+        self._stamp = self._file_stamp()
+        self.keys = load_keys(keys_file, keys_env, models)
+        self._next = self._clock() + recheck_s
+
+    def _file_stamp(self) -> tuple | None:
+        if not self._file:
+            return None
+        try:
+            st = Path(self._file).expanduser().stat()  # follows the Secret volume's symlinks
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def current(self) -> ApiKeys:
+        now = self._clock()
+        if self._file and now >= self._next:
+            self._next = now + self._recheck_s
+            stamp = self._file_stamp()
+            if stamp != self._stamp:
+                self._stamp = stamp
+                try:
+                    self.keys = load_keys(self._file, self._env, self._models)
+                    if self._log:
+                        self._log.warning("API keys reloaded from %s (%d keys)", self._file,
+                                          len(self.keys.keys))
+                except KeysError as err:
+                    if self._log:
+                        self._log.error("API keys file changed but cannot be used; keeping the "
+                                        "%d keys loaded before: %s", len(self.keys.keys), err)
+        return self.keys
+
+
 # -- the older per-field readers (tests and tools use them) -------------------------------------
 
 def load_api_keys(keys_file: str | None, keys_env: str | None) -> tuple[bytes, ...]:

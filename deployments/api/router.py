@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from embedfleet.deployments import metrics
 from embedfleet.deployments.api import openapi
-from embedfleet.deployments.api.auth import ApiKeyMiddleware, KeysError, load_keys
+from embedfleet.deployments.api.auth import ApiKeyMiddleware, ApiKeys, KeyRing, KeysError
 from embedfleet.deployments.api.http import install_error_handlers
 from embedfleet.deployments.api.routes import ApiRoutes
 from embedfleet.deployments.config import EmbedfleetConfig, parse_config
@@ -59,29 +59,46 @@ def new_api() -> FastAPI:
     (``app.state.api_keys``, empty = open; each key's lane and model limits beside them)."""
     app = FastAPI(title=TITLE, version="0.1.0", redirect_slashes=False, description=DESCRIPTION)
     app.state.api_keys, app.state.key_lanes, app.state.key_models = (), {}, {}
-    app.add_middleware(ApiKeyMiddleware, keys_provider=lambda: app.state.api_keys,
+    app.state.key_ring = None
+    app.add_middleware(ApiKeyMiddleware, keys_provider=lambda: _current_keys(app),
                        lanes_provider=lambda: app.state.key_lanes,
                        models_provider=lambda: app.state.key_models)
     install_error_handlers(app)
     return app
 
 
-def serve_api_keys(app: FastAPI, cfg: EmbedfleetConfig) -> None:
-    """Load the app's API keys (and what each may use) into its state, as this ingress replica
-    finds them on its own node. Fails closed: when the config names a source of keys and it
-    gives none here, raise, so the replica never starts (``auth.load_keys``)."""
-    router = cfg.router
-    try:
-        keys = load_keys(router.api_keys_file, router.api_keys_env, [m.name for m in cfg.models])
-    except KeysError as err:
-        logger.error("HTTP ingress refuses to start: %s", err)
-        raise
+def _set_keys(app: FastAPI, keys: ApiKeys) -> None:
+    app.state.loaded_keys = keys
     app.state.api_keys = keys.keys
     app.state.key_lanes = {k: v.lane for k, v in (keys.limits or {}).items() if v.lane}
     app.state.key_models = {k: v.models for k, v in (keys.limits or {}).items()
                             if v.models is not None}
-    if keys.keys:
-        logger.info("HTTP ingress up; API keys required (%d)", len(keys.keys))
+
+
+def _current_keys(app: FastAPI) -> tuple[bytes, ...]:
+    """The app's keys for this request: the key ring's, when the keys file changed since."""
+    ring = app.state.key_ring
+    if ring is not None and (keys := ring.current()) is not app.state.loaded_keys:
+        _set_keys(app, keys)
+    return app.state.api_keys
+
+
+def serve_api_keys(app: FastAPI, cfg: EmbedfleetConfig) -> None:
+    """Load the app's API keys (and what each may use) into its state, as this ingress replica
+    finds them on its own node, and re-read the keys file when it changes (``auth.KeyRing``).
+    Fails closed: when the config names a source of keys and it gives none here, raise, so the
+    replica never starts."""
+    router = cfg.router
+    try:
+        ring = KeyRing(router.api_keys_file, router.api_keys_env, [m.name for m in cfg.models],
+                       log=logger)
+    except KeysError as err:
+        logger.error("HTTP ingress refuses to start: %s", err)
+        raise
+    _set_keys(app, ring.keys)
+    app.state.key_ring = ring
+    if ring.keys.keys:
+        logger.info("HTTP ingress up; API keys required (%d)", len(ring.keys.keys))
     elif is_loopback(router.host):
         logger.info("HTTP ingress up on loopback (%s); no API keys configured", router.host)
     else:

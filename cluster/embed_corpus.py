@@ -41,7 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
@@ -49,12 +49,13 @@ from embedfleet.cluster.corpus_input import (CorpusError, Refusal, id_problem, i
                                              missing, parse_line, scan, text_problem)
 from embedfleet.cluster.corpus_out import (ERRORS, MIXED, ErrorLog, OutLock, Progress,
                                            finished_parts, take_block)
+from embedfleet.deployments.request_path.long_input import LongInputMode
 
 RETRYABLE_STATUS = (429, 503)
 # Statuses a single row can cause (a text too long, a call's text too large in all); any other
 # refusal (401/403 a key, 404 the model, 422 the call's shape, 5xx) is about the job: it stops.
 ROW_STATUS = (400, 413)
-LONG_INPUT_MODES = ("truncate", "chunk", "reject")
+LONG_INPUT_MODES: tuple[LongInputMode, ...] = get_args(LongInputMode)
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 
 
@@ -65,7 +66,7 @@ class JobSettings:
     batch_size: int  # texts per call to the Router
     inflight: int  # calls each worker keeps in flight
     max_retry_s: float  # how long one call may keep getting 429/503 before the job stops
-    long_input: str | None = None  # None: the model's configured policy
+    long_input: LongInputMode | None = None  # None: the model's configured policy
     kind: str = "json"  # the input's files: "json" (lines, parsed here) or "parquet"
     id_kind: str | None = None  # the corpus's ids: "str" or "int" (corpus_input.scan)
 
@@ -357,8 +358,18 @@ def add_parser(sub: Any) -> None:
                        "that are invalid (not JSON, no id, an id on several rows, an empty or "
                        "non-string text) or that the model refuses go to OUT/errors.jsonl; the "
                        "job goes on.")
-    # Usage errors exit 1 too (argparse's own is 2, this command's "finished with refused rows").
+    # Usage errors exit 1 too (argparse's own is 2, this command's "finished with refused rows"),
+    # unknown options included (argparse leaves those to the top-level parser).
     p.error = lambda message: p.exit(EXIT_FAILED, f"{p.prog}: error: {message}\n")
+    known = p.parse_known_args
+
+    def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
+        ns, extra = known(args, namespace)
+        if extra:
+            p.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns, extra
+
+    p.parse_known_args = parse_known_args  # type: ignore[method-assign]
     p.add_argument("input", help="a .jsonl or .parquet file, or a folder of them (id, text, "
                    "optional prompt_name)")
     p.add_argument("--model", required=True)

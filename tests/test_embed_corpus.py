@@ -278,3 +278,29 @@ def test_the_reason_a_worker_stopped_the_job_reaches_the_user():
                           "corpus_input.CorpusError: the fleet refused the call\n")
     assert ec.corpus_error(remote) == "the fleet refused the call"
     assert ec.corpus_error(ValueError("a bug")) is None
+
+
+@pytest.mark.parametrize("argv", [["c.jsonl", "--out", "o"],  # no --model
+                                  ["c.jsonl", "--model", "m", "--out", "o", "--long-input", "cut"],
+                                  ["c.jsonl", "--model", "m", "--out", "o", "--bogus"]])
+def test_a_bad_command_line_exits_1_not_2_which_means_refused_rows(argv, capsys):
+    from embedfleet.cluster.cli import build_parser
+
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(["embed-corpus", *argv])
+    assert stop.value.code == ec.EXIT_FAILED == 1
+    assert "embed-corpus: error:" in capsys.readouterr().err
+    args = build_parser().parse_args(["embed-corpus", "c.jsonl", "--model", "m", "--out", "o"])
+    assert args.long_input is None  # the model's own policy unless asked
+
+
+def test_the_exit_statuses_are_in_the_help(capsys):
+    from embedfleet.cluster.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["embed-corpus", "--help"])
+    out = capsys.readouterr().out
+    assert "--long-input {reject,truncate,chunk}" in out
+    for status in ("0  every row is embedded", "2  the job finished, and some rows are refused",
+                   "1  the job could not finish"):
+        assert status in out

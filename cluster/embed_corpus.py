@@ -215,9 +215,16 @@ class BatchEmbedder:
         fingerprint = prints.pop() if len(prints) == 1 else MIXED
         done = sorted(got)
         n, m = len(done), len(refused)
+        # One list array over the block's vectors (refused rows: null, empty), not a row each.
+        flat = (np.concatenate([got[i][0] for i in done]).astype(np.float32, copy=False)
+                if n else np.zeros(0, np.float32))
+        ends = np.arange(n + 1, dtype=np.int32) * (len(flat) // max(n, 1))
+        embedding = pa.ListArray.from_arrays(
+            pa.array(np.concatenate([ends, np.full(m, ends[-1], np.int32)])), pa.array(flat),
+            mask=pa.array([False] * n + [True] * m, pa.bool_()))
         return pa.table({
             "id": [ids[i] for i in done] + [r.id for r in refused],
-            "embedding": [got[i][0].astype(np.float32) for i in done] + [None] * m,
+            "embedding": embedding,
             "tokens": [int(got[i][1]) for i in done] + [None] * m,
             "fingerprint": [fingerprint] * n + [None] * m,
             "code": [None] * n + [r.code for r in refused],

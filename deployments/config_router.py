@@ -58,8 +58,10 @@ class RouterConfig(BaseModel):
         "replica reads on its own node when it starts (`~` is its user's home): one key per "
         "line, `KEY [lane=interactive|bulk] [models=a,b]`, whole-line `#` comments, keys of at "
         "least 16 visible ASCII characters. Set: keys are required, and a replica that cannot "
-        "read the file or finds no key in it fails to start rather than serve open. On KubeRay "
-        "the render mounts a Secret here instead (docs/security.md).")
+        "read the file or finds no key in it fails to start rather than serve open. Re-read "
+        "when it changes, so keys rotate without a restart (a rewrite that cannot be used is "
+        "logged and the keys before it kept). On KubeRay the render mounts a Secret here "
+        "instead (docs/security.md).")
     api_keys_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = Field(
         default=None, description="Name of an environment variable holding comma-separated "
         "bearer API keys, read by every ingress replica from its own process environment (its "

@@ -41,10 +41,14 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 endif
 
-# Prometheus and promtool come from Debian's package; installed only when missing.
+# Prometheus and promtool come from Debian's package; installed only when missing. So does
+# redis-server, the Redis of the GCS fault-tolerance test (tests/test_gcs_restart.py), which
+# starts its own on a free port (the package's service is not started).
 prometheus:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
+	@command -v redis-server >/dev/null || { \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
 
 # Infinity, a benchmark peer (`embedfleet bench`), in a venv of its own: its numpy/transformers pins
 # conflict with vLLM's. The script is idempotent (a stamp holds its requirements' hash).

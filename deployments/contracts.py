@@ -185,6 +185,7 @@ class CanaryView(_Model):
     probes: int
     at: float
     detail: str
+    floor: float | None = None  # the cosine it had to reach (None: recorded before floors)
 
 
 class SwapView(_Model):

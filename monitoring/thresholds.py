@@ -65,9 +65,12 @@ GOVERNOR_STALE_AFTER_S = 60.0
 GOVERNOR_STALE_FOR = "2m"
 
 # --- Prefix cache and canary ------------------------------------------------------------------
-# The canary compares a cache-hit vector with the cold vector of the same input; anything below
-# this cosine means the cache changed the result (design: cosine >= 0.99999).
-CANARY_MIN_COSINE = 0.99999
+# The canary compares a cache-hit vector with the cold vector of the same input. Below this
+# cosine it fails: the cache changed the result (vllm-ascend's own prefix-cache test accepts
+# 1e-2; the corruption it guards against reads ~0.58). Between it and the replica's calibrated
+# floor (embedfleet_canary_floor) the verdict is inconclusive, not a failure. Equal to
+# deployments/control/canary.py's FAIL_COSINE (a test checks).
+CANARY_FAIL_COSINE = 0.99
 # A failed canary means wrong vectors may have been served: alert at once. The failure counter
 # lives in replicas that restart right after it (with caching off), so the rule looks back this
 # far for any failure; 15 m is long enough for a person to see the alert, short enough to clear.

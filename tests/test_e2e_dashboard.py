@@ -112,7 +112,7 @@ NEEDS_EVENT = {
     "Rejections/s": "a 429 (the burst in tests/test_e2e_governor.py)",
     "Truncations": "a truncated input (tests/test_e2e_long_input.py; this file sends one)",
     "Chunks/s": "a chunked input (tests/test_e2e_long_input.py; this file sends one)",
-    "Canary: lowest cosine": "a canary run (at start-up; the faulty model every 10 s)",
+    "Canary: lowest cosine and floor": "a canary run (at start-up; the faulty model every 10 s)",
     "Canary failures (1h)": "a failed canary in the last hour "
                             "(tests/test_e2e_prefix_cache.py arms the fault injector)",
     "Card memory ratio": "card memory exported by the replicas / governor readings",

@@ -147,3 +147,14 @@ def test_provisioning_matches_the_dashboard(dash):
     assert current["value"] == ds["uid"]
     (provider,) = files["dashboards/embedfleet.yml"]["providers"]
     assert provider["type"] == "file" and provider["options"]["path"]
+
+
+def test_canary_cosine_panel_shows_the_floor_and_fails_red_below_the_failure_threshold(dash):
+    panel = _panel(dash, "Canary: lowest cosine and floor")
+    exprs = [tgt["expr"] for tgt in panel["targets"]]
+    assert any("ray_embedfleet_canary_last_cosine{" in e for e in exprs), exprs
+    assert any("ray_embedfleet_canary_floor{" in e for e in exprs), exprs
+    steps = {s["value"]: s["color"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]}
+    assert steps == {None: "red", thresholds.CANARY_FAIL_COSINE: "green"}
+    from embedfleet.deployments.control.canary import FAIL_COSINE
+    assert thresholds.CANARY_FAIL_COSINE == FAIL_COSINE  # one threshold, two spellings

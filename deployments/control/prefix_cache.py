@@ -18,7 +18,11 @@ One state, one owner:
                     the registry already holds the override, so the new replica starts with
                     caching off.
 
-A canary that saw no cache hit is ``inconclusive``: never shown as passed, rerun.
+A canary that saw no cache hit, or whose cosine lies between ``canary.FAIL_COSINE`` and the
+floor calibrated at start (``canary.calibrate_floor``), is ``inconclusive``: never shown as
+passed, rerun sooner and alerted on, and never a reason to switch caching off. Only ``failed``
+(below ``FAIL_COSINE``) switches this replica off and reports to the registry, which switches the
+model off fleet-wide.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from typing import Any, Literal
 
 from embedfleet.deployments import metrics
 from embedfleet.deployments.contracts import CanaryView, PrefixCacheView, SwapView
-from embedfleet.deployments.control.canary import VERDICTS, CanaryResult, run_canary
+from embedfleet.deployments.control.canary import (VERDICTS, CanaryFloor, CanaryResult,
+                                                   calibrate_floor, run_canary)
 from embedfleet.deployments.engine.vllm_engine import EmbeddingEngine
 from embedfleet.deployments.engine.gate import EngineGate
 
@@ -64,6 +69,7 @@ class PrefixCacheController:
         self._on_change = on_change
         self._sleep = sleep
         self.last_canary: CanaryResult | None = None
+        self.floor: CanaryFloor | None = None  # calibrated on this replica's engine at start
         self.swap_attempts = 0
         self.swap_error: str | None = None
         self.gave_up = False
@@ -87,6 +93,7 @@ class PrefixCacheController:
         if self.last_canary is not None:
             metrics.get("embedfleet_canary_last_cosine").set(self.last_canary.min_cosine,
                                                             tags=tag)
+            metrics.get("embedfleet_canary_floor").set(self.last_canary.floor, tags=tag)
             for v in VERDICTS:
                 metrics.get("embedfleet_canary_verdict").set(
                     int(self.last_canary.verdict == v), tags={**tag, "verdict": v})
@@ -99,10 +106,20 @@ class PrefixCacheController:
         self._on_change()
 
     # -- the canary ---------------------------------------------------------------------------
+    async def calibrate(self) -> CanaryFloor:
+        """The floor from two cold runs of the probes on this replica's engine."""
+        engine = self._gate.engine
+        assert engine is not None
+        self.floor = await calibrate_floor(engine, label=f"canary-floor-{self.model}")
+        logger.info("prefix-cache canary of %s on %s: %s", self.model, self._card,
+                    self.floor.detail)
+        return self.floor
+
     async def canary_once(self) -> CanaryResult:
         engine = self._gate.engine
         assert engine is not None
-        result = await run_canary(engine, label=f"canary-{self.model}")
+        floor = self.floor or await self.calibrate()
+        result = await run_canary(engine, label=f"canary-{self.model}", floor=floor.floor)
         self.last_canary = result
         self.export()
         if result.verdict == "inconclusive":
@@ -122,7 +139,10 @@ class PrefixCacheController:
         return result
 
     async def prove(self) -> None:
-        """The start-up canary: rerun at once while inconclusive (a fresh nonce each time)."""
+        """The start-up canary: calibrate the floor, then rerun at once while inconclusive (a
+        fresh nonce each time). An inconclusive end leaves caching on, unproven."""
+        if self.state == "on":
+            await self.calibrate()
         for _ in range(1 + INCONCLUSIVE_RERUNS):
             if self.state != "on" or (await self.canary_once()).verdict != "inconclusive":
                 return

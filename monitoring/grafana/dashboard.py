@@ -276,22 +276,27 @@ SECTIONS: list[tuple[str, list[dict]]] = [
                    "1": {"text": "on", "color": "green"}}}]),
         _panel("stat", "Canary verdict",
                "Last canary verdict per model, the worst over its replicas. Inconclusive: the "
-               "canary saw no cache hit, so nothing is proven (never shown as passed); the "
-               "replica reruns it.",
+               "canary saw no cache hit, or its cosine fell between the floor and the failure "
+               "threshold, so nothing is proven (never shown as passed); the replica reruns it "
+               "and caching stays on.",
                [(CANARY_VERDICT, "{{model}}")],
                mappings=[{"type": "value", "options": {
                    str(code): {"text": verdict, "color": VERDICT_COLORS[verdict]}
                    for verdict, code in VERDICT_CODES.items()}}]),
-        _panel("stat", "Canary: lowest cosine", "Cache-hit vs cold vectors in the last canary.",
-               [(f"min by (model) ({_raw('canary_last_cosine', MODEL)})", "{{model}}")],
+        _panel("stat", "Canary: lowest cosine and floor",
+               "Cache-hit vs cold vectors in the last canary, and the floor it had to reach "
+               "(calibrated from two cold runs on each replica). Below the floor it is "
+               f"inconclusive; below {t.CANARY_FAIL_COSINE} it fails.",
+               [(f"min by (model) ({_raw('canary_last_cosine', MODEL)})", "{{model}}"),
+                (f"max by (model) ({_raw('canary_floor', MODEL)})", "{{model}} floor")],
                decimals=6, width=6,
-               thresholds=_steps(("red", None), ("green", t.CANARY_MIN_COSINE))),
+               thresholds=_steps(("red", None), ("green", t.CANARY_FAIL_COSINE))),
         _panel("stat", "Canary failures (1h)", "Canary runs whose vectors differed.",
                [(_counted_in("canary_failures_total", "1h"), "{{model}}")],
                width=6, decimals=0, thresholds=_steps(("green", None), ("red", 1))),
         _panel("stat", "Canary inconclusive runs (1h)",
-               "Canary runs that saw no cache hit (proved nothing), per model; 0 for models "
-               "whose canary runs.",
+               "Canary runs that proved nothing (no cache hit, or a cosine between the floor "
+               "and the failure threshold), per model; 0 for models whose canary runs.",
                [(INCONCLUSIVE_RUNS, "{{model}}")],
                width=6, decimals=0, thresholds=_steps(("green", None), ("orange", 1))),
         _panel("stat", "Engine swaps by outcome (1h)",

@@ -138,27 +138,33 @@ _FAILED_RECENTLY = _counted_recently(CANARY_FAILURES, t.CANARY_FAILURE_WINDOW)
 _SWAP_FAILED_RECENTLY = _counted_recently(ENGINE_SWAPS, t.ENGINE_SWAP_FAILURE_WINDOW,
                                           'outcome="failed"')
 INCONCLUSIVE = 'verdict="inconclusive"'
+GOVERNOR_HIGH = "ray_embedfleet_governor_high"
+# The governor's own threshold per card (a card profile sets it per model); a card the governor
+# does not report on is held to the configured default.
+_MEMORY_AT_HIGH = (f"{q.CARD_MEMORY_RATIO}\n>= on (node, device) (\n"
+                   f"  {q.per_card(q.ray_gauge(GOVERNOR_HIGH))}\n"
+                   f"  or\n  0 * {q.CARD_MEMORY_RATIO} + {t.CARD_MEMORY_HIGH}\n)")
 
 ALERTS: tuple[Alert, ...] = (
-    Alert("EmbedfleetCardMemoryHigh",
-          f"{q.CARD_MEMORY_RATIO} >= {t.CARD_MEMORY_HIGH}", t.CARD_MEMORY_HIGH_FOR,
+    Alert("EmbedfleetCardMemoryHigh", _MEMORY_AT_HIGH, t.CARD_MEMORY_HIGH_FOR,
           t.SEVERITY_CRITICAL,
-          f"Card {CARD} live memory pressure at {PCT}.",
-          f"Card {CARD} has been at or above {t.CARD_MEMORY_HIGH:.0%} live memory pressure for "
-          f"{t.CARD_MEMORY_HIGH_FOR} (device used minus the free KV pool and allocator cache, "
-          "over capacity minus the free KV pool; not raw used/total, which vLLM's up-front "
-          "reservation keeps high even at idle). The memory governor cuts this card's batch "
-          "budget at that level; staying there means the cuts are not bringing memory down and "
-          "the engine is close to running out of memory."),
+          f"Card {CARD} memory pressure outside the KV pool at {PCT}.",
+          f"Card {CARD} has been at or above the memory governor's cut threshold (its card "
+          f"profile's, else {t.CARD_MEMORY_HIGH:.0%}) for {t.CARD_MEMORY_HIGH_FOR}: device used "
+          "minus the KV pool and the allocator's releasable cache, over the card minus the KV "
+          "pool (a full KV pool is not pressure, and raw used/total stays high from vLLM's "
+          "up-front reservation). The governor cuts this card's batch budget at that level; "
+          "staying there means the cuts are not bringing memory down and the engine is close "
+          "to running out of memory."),
     Alert("EmbedfleetCanaryFailed", _FAILED_RECENTLY, None, t.SEVERITY_CRITICAL,
           f"Prefix-cache canary failed for {MODEL}.",
           f"A prefix-cache canary of {MODEL} produced cache-hit embeddings that differ from cold "
-          f"ones (cosine below {t.CANARY_MIN_COSINE}) in the last {t.CANARY_FAILURE_WINDOW}. "
+          f"ones (cosine below {t.CANARY_FAIL_COSINE}) in the last {t.CANARY_FAILURE_WINDOW}. "
           "Vectors served from the cache before the replicas restarted without it may be "
           "wrong."),
     Alert("EmbedfleetPrefixCacheDisabledByCanary",
           f"max by (model) ({series(CACHE_ENABLED)}) == 0\nand on (model)\n(\n"
-          f"  min by (model) ({series(CANARY_COSINE)}) < {t.CANARY_MIN_COSINE}\nor\n"
+          f"  min by (model) ({series(CANARY_COSINE)}) < {t.CANARY_FAIL_COSINE}\nor\n"
           f"  sum by (model) (max_over_time({series(CANARY_FAILURES)}"
           f"[{t.CANARY_FAILURE_WINDOW}])) > 0\n)",
           t.PREFIX_CACHE_DISABLED_FOR, t.SEVERITY_WARNING,
@@ -171,11 +177,13 @@ ALERTS: tuple[Alert, ...] = (
           t.CANARY_INCONCLUSIVE_FOR, t.SEVERITY_WARNING,
           f"Prefix-cache canary of {MODEL} is inconclusive.",
           f"The last prefix-cache canary of {MODEL} has been inconclusive for "
-          f"{t.CANARY_INCONCLUSIVE_FOR}: it observed no cache hit, so nothing is proven, yet "
-          "the model keeps serving from the prefix cache. The replica reruns the canary. Check "
-          "whether the model's prefix cache hits at all (vLLM prefix-cache hit rate on the "
-          "dashboard) and the canary's detail in the replica log (a full KV pool can evict the "
-          "canary's prefix before its cache-hit pass)."),
+          f"{t.CANARY_INCONCLUSIVE_FOR}: it observed no cache hit, or its cache-hit vectors "
+          "differ from cold ones by more than the replica's calibrated floor yet less than a "
+          f"failure (cosine {t.CANARY_FAIL_COSINE}), so nothing is proven, yet the model keeps "
+          "serving from the prefix cache. The replica reruns the canary. Compare the last cosine "
+          "with the floor on the dashboard; check whether the model's prefix cache hits at all "
+          "(vLLM prefix-cache hit rate) and the canary's detail in the replica log (a full KV "
+          "pool can evict the canary's prefix before its cache-hit pass)."),
     Alert("EmbedfleetEngineSwapFailing", _SWAP_FAILED_RECENTLY, None, t.SEVERITY_CRITICAL,
           f"Engine swap failing for {MODEL}.",
           f"A replica of {MODEL} failed to start its engine without prefix caching (after a "

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI, Request
 from starlette.testclient import TestClient
 
-from embedfleet.deployments.api.auth import (MIN_KEY_CHARS, ApiKeyMiddleware, KeyLimits,
+from embedfleet.deployments.api.auth import (MIN_KEY_CHARS, ApiKeyMiddleware, ApiKeys, KeyLimits,
                                              KeyRing, KeysError, check_model_allowed, key_matches,
                                              load_api_keys, load_keys, parse_keys_file)
 from embedfleet.deployments.api.router import new_api, serve_api_keys
@@ -254,3 +254,13 @@ def test_the_ingress_app_follows_a_rotation(tmp_path):
     clock.t = 5.0
     assert client.get("/v1/models", headers=two).status_code == 200
     assert client.get("/v1/models", headers=one).status_code == 401
+
+
+def test_the_key_sets_fingerprint_tells_sets_apart_and_no_key():
+    a = load_keys(None, None, environ=None)
+    one = parse_keys_file(f"{ONE}\n{TWO}\n", "k")
+    same = ApiKeys(tuple(k.encode() for k in reversed(list(one))))
+    other = ApiKeys((ONE.encode(),))
+    assert same.fingerprint() == ApiKeys(tuple(k.encode() for k in one)).fingerprint()
+    assert other.fingerprint() != same.fingerprint() != a.fingerprint()
+    assert ONE not in same.fingerprint() and len(same.fingerprint()) == len("sha256:") + 12

@@ -23,6 +23,7 @@ the routes make once they know the model.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import re
@@ -68,6 +69,12 @@ class ApiKeys:
 
     def limits_of(self, key: bytes) -> KeyLimits:
         return (self.limits or {}).get(key, KeyLimits())
+
+    def fingerprint(self) -> str:
+        """A short digest of the key set, for logs: replicas whose logs show different ones
+        enforce different keys (a node with a stale file), and it says nothing of any key."""
+        digest = hashlib.sha256(b"\n".join(sorted(self.keys))).hexdigest()
+        return f"sha256:{digest[:12]}"
 
 
 def _check_key(key: str, where: str) -> None:
@@ -194,8 +201,9 @@ class KeyRing:
                 try:
                     self.keys = load_keys(self._file, self._env, self._models)
                     if self._log:
-                        self._log.warning("API keys reloaded from %s (%d keys)", self._file,
-                                          len(self.keys.keys))
+                        self._log.warning("API keys reloaded from %s (%d keys, %s)",
+                                          self._file, len(self.keys.keys),
+                                          self.keys.fingerprint())
                 except KeysError as err:
                     if self._log:
                         self._log.error("API keys file changed but cannot be used; keeping the "

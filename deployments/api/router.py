@@ -98,7 +98,8 @@ def serve_api_keys(app: FastAPI, cfg: EmbedfleetConfig) -> None:
     _set_keys(app, ring.keys)
     app.state.key_ring = ring
     if ring.keys.keys:
-        logger.info("HTTP ingress up; API keys required (%d)", len(ring.keys.keys))
+        logger.info("HTTP ingress up; API keys required (%d, %s)", len(ring.keys.keys),
+                    ring.keys.fingerprint())
     elif is_loopback(router.host):
         logger.info("HTTP ingress up on loopback (%s); no API keys configured", router.host)
     else:

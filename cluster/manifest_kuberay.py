@@ -69,7 +69,7 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
     head_selector = worker_selector if spec.head_node_selector is None \
         else dict(spec.head_node_selector)
     keys = [keys_volume(name)] if keys_mounted(cfg) else []
-    labels = {**spec.labels, **pod_labels(name)}
+    labels = pod_labels(name)
     head = {
         # A ClusterIP Service only: the dashboard, GCS and client ports are never published
         # outside the cluster; the NetworkPolicy narrows who inside may reach them.

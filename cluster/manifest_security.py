@@ -56,8 +56,9 @@ def secret_names(name: str) -> dict[str, str]:
 
 
 def pod_labels(name: str) -> dict[str, str]:
-    """Labels on every Ray pod of the cluster: what the NetworkPolicy selects."""
-    return {"app.kubernetes.io/name": "embedfleet", "app.kubernetes.io/instance": name,
+    """Labels on every Ray pod of the cluster: what the NetworkPolicy selects. Not
+    ``app.kubernetes.io/name``, which KubeRay sets on its pods itself."""
+    return {"app.kubernetes.io/part-of": "embedfleet", "app.kubernetes.io/instance": name,
             "app.kubernetes.io/component": "ray"}
 
 

@@ -109,9 +109,22 @@ def unplaceable(cfg: EmbedfleetConfig) -> str | None:
             f"min_replicas or raise cards (--cards)")
 
 
+def keys_missing_here(cfg: EmbedfleetConfig) -> str | None:
+    """Why the API keys the config names cannot be loaded on this machine, or None. `up` runs
+    every node here (its nodes inherit this environment), so an ingress replica would fail to
+    start for the same reason: say it now rather than after the wait for /ready."""
+    from embedfleet.deployments.api.auth import KeysError, load_keys
+
+    try:
+        load_keys(cfg.router.api_keys_file, cfg.router.api_keys_env, [m.name for m in cfg.models])
+    except KeysError as err:
+        return f"{err} (every ingress replica would refuse to start)"
+    return None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     serve_cfg, cfg = _load(args)
-    if (why := unplaceable(cfg)) is not None:
+    if (why := unplaceable(cfg) or keys_missing_here(cfg)) is not None:
         print(f"embedfleet up: refused: {why}", file=sys.stderr)
         return 2
     local.start_head(cfg.cards, cfg.platform.card_resource, cfg.nodes, ray_head_env(cfg))

@@ -16,7 +16,7 @@ from embedfleet.deployments.config import (DEFAULT_CONFIG_PATH, ConfigError, Rou
                                            load_config)
 from embedfleet.deployments.config_router import is_loopback, open_bind_refusal
 
-KEYS = "/etc/embedfleet/keys"  # never read here: only the config's word that keys are required
+KEYS = "/etc/embedfleet/keys"  # not read by render or deploy: the config says keys are required
 
 
 def config_file(tmp_path, **router) -> str:
@@ -86,8 +86,10 @@ def test_up_host_flag_widens_the_bind_only_with_keys(tmp_path, capsys, fake_clus
     assert code == 2 and fake_cluster == []  # refused before anything starts
     assert "--host 0.0.0.0: router.host='0.0.0.0' binds beyond loopback" in \
         capsys.readouterr().err
+    keys = tmp_path / "api-keys"
+    keys.write_text("sk-up-test-0123456789\n")
     assert cli.main(["up", "--detach", "--host", "0.0.0.0",
-                     "--config", config_file(tmp_path, api_keys_file=KEYS)]) == 0
+                     "--config", config_file(tmp_path, api_keys_file=str(keys))]) == 0
     assert "HTTP ingress binds 0.0.0.0:8000 (every interface); API keys required" in \
         capsys.readouterr().out
     (deployed,) = fake_cluster
@@ -117,3 +119,20 @@ def test_deploy_refuses_an_open_wide_bind(tmp_path, capsys, fake_cluster):
     assert cli.main(["deploy", "--address", "127.0.0.1", "--config",
                      config_file(tmp_path, host="10.0.0.5", allow_unauthenticated=True)]) == 0
     assert "NO API keys (router.allow_unauthenticated)" in capsys.readouterr().out
+
+
+def test_up_refuses_keys_it_cannot_load_before_starting_anything(tmp_path, capsys, fake_cluster,
+                                                                 monkeypatch):
+    """`up` runs every node here: keys named but missing or empty here would stop every ingress
+    replica, so `up` says so at once instead of waiting for /ready."""
+    keys = tmp_path / "api-keys"
+    keys.write_text("# nothing yet\n")
+    for router in ({"api_keys_file": str(keys)}, {"api_keys_file": str(tmp_path / "absent")},
+                   {"api_keys_env": "EMBEDFLEET_TEST_UP_KEYS"}):
+        monkeypatch.delenv("EMBEDFLEET_TEST_UP_KEYS", raising=False)
+        assert cli.main(["up", "--detach", "--config", config_file(tmp_path, **router)]) == 2
+        assert "every ingress replica would refuse to start" in capsys.readouterr().err
+    assert fake_cluster == []
+    keys.write_text("sk-up-test-0123456789\n")
+    assert cli.main(["up", "--detach", "--config",
+                     config_file(tmp_path, api_keys_file=str(keys))]) == 0

@@ -38,6 +38,12 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
             f"--ray-cluster: router.host={cfg.router.host!r} is loopback, so an ingress replica "
             "on one node cannot be reached from another node's HAProxy: set router.host: "
             "0.0.0.0 with router.api_keys_file (synced to every node)")
+    if cfg.router.api_keys_env:
+        raise ConfigError(
+            f"--ray-cluster: router.api_keys_env={cfg.router.api_keys_env!r} has no value on the "
+            "launcher's nodes (their `ray start` environment is rendered here), so every ingress "
+            "replica would refuse to start: use router.api_keys_file, which `ray up` syncs to "
+            "every node")
     cards = cards_per_node(cfg, spec)
     workers = list(spec.worker_ips)
     need = sum(m.replicas.min_replicas for m in cfg.models)

@@ -76,7 +76,9 @@ def cluster_router_data(cfg: EmbedfleetConfig) -> dict[str, Any]:
         cfg.router.api_keys_file or cfg.router.api_keys_env)
     router["host"] = "0.0.0.0"
     if not open_on_purpose:
-        router["api_keys_file"] = KEYS_FILE_IN_POD
+        # the Secret is the one source on the pods: a variable the pods do not have would stop
+        # every ingress replica
+        router.update(api_keys_file=KEYS_FILE_IN_POD, api_keys_env=None)
     return router
 
 

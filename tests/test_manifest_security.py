@@ -246,3 +246,17 @@ def test_launcher_gcs_fault_tolerance_with_an_external_redis():
     assert "RAY_REDIS_ADDRESS=10.0.0.9:6379" in head
     assert f'--redis-password="$(cat {REDIS_PASSWORD_FILE})"' in head
     assert launcher["file_mounts"][REDIS_PASSWORD_FILE] == REDIS_PASSWORD_FILE
+
+
+def test_kuberay_reads_keys_from_the_secret_alone():
+    """A config naming a variable too: the pods have none, so the render names only the file."""
+    cfg = _ascend(router={"host": "0.0.0.0", "api_keys_env": "MY_KEYS"})
+    (svc,) = _kuberay(cfg)["RayService"]
+    router = _serve_router(svc)
+    assert router["api_keys_file"] == KEYS_FILE_IN_POD and router.get("api_keys_env") is None
+
+
+def test_launcher_refuses_keys_from_a_variable_its_nodes_do_not_have():
+    cfg = _ascend(router={"host": "0.0.0.0", "api_keys_env": "MY_KEYS"})
+    with pytest.raises(ConfigError, match="api_keys_env='MY_KEYS' has no value"):
+        render_cluster_launcher(cfg, cluster_spec(cfg, example=True))

@@ -13,11 +13,12 @@ a model's ``routing`` (``config_routing.py``), the ``router`` (``config_router.p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt,
-                      PositiveFloat, PositiveInt, ValidationError, model_validator)
+                      PositiveFloat, PositiveInt, ValidationError, field_validator,
+                      model_validator)
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 
@@ -46,6 +47,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# vLLM 0.23's KV-cache dtypes (``CacheDType`` in vllm/config/cache.py): the engine vllm-ascend
+# 0.23.0.post1 runs on, whose platform adds none. vllm-ascend's int8 "C8" KV cache is not one of
+# them: a ModelSlim checkpoint selects it (quant_model_description kv_cache_type: C8, read by
+# engine.model_facts). tests/test_config_engine.py checks this list against vLLM 0.23's source
+# and the installed vLLM.
+KvCacheDtype = Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc",
+                       "fp8_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc",
+                       "turboquant_k3v4_nc", "turboquant_3bit_nc", "int8_per_token_head",
+                       "fp8_per_token_head", "nvfp4"]
+
+
 class EngineArgs(_Strict):
     """vLLM engine arguments that matter for pooling models. ``None`` = the platform default."""
 
@@ -61,7 +73,19 @@ class EngineArgs(_Strict):
         default=None, description="KV cache size in bytes; required on CPU where the "
         "utilisation knob would refer to host memory."
     )
-    kv_cache_dtype: Literal["auto", "fp8", "int8"] = "auto"
+    kv_cache_dtype: KvCacheDtype = Field(
+        default="auto", description="KV-cache storage type, one of vLLM's own (auto: the "
+        "model's dtype). An int8 KV cache on Ascend comes from a ModelSlim C8 checkpoint, not "
+        "from this setting.")
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _kv_cache_dtype(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.lower() in ("int8", "c8"):
+            raise ValueError(f"kv_cache_dtype {v!r} is not one of vLLM's KV-cache dtypes "
+                             f"{list(get_args(KvCacheDtype))}; vllm-ascend's int8 (C8) KV cache "
+                             "is chosen by a ModelSlim checkpoint (kv_cache_type: C8)")
+        return v
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         default="priority", description="vLLM's scheduler order. priority: sequences of the "
         "interactive lane go ahead of bulk ones already waiting inside the engine.")

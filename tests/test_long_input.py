@@ -246,3 +246,49 @@ def test_flatten_and_merge_planned_keep_inputs_apart(doc, special):
     np.testing.assert_allclose(merged[1], merge(vecs[1:-1], plans[1].weights, True), rtol=1e-6)
     with pytest.raises(ValueError, match="pieces planned"):
         merge_planned(plans, vecs[:-1], normalize=True)
+
+
+def test_chunk_above_always_splits_every_input_longer_than_one_window(minilm_tokenizer, special):
+    # 150 content tokens: fits MiniLM's 256 whole, but not one 64-token window.
+    ids = [CLS, *range(1000, 1150), SEP]
+    whole = LongInputPolicy(mode="chunk", chunk_tokens=64, chunk_overlap=8)
+    assert plan(ids, MAX_LEN, whole, special).pieces == [ids]  # max_model_len: untouched
+    always = whole.model_copy(update={"chunk_above": "always"})
+    p = plan(ids, MAX_LEN, always, special)
+    room, stride = 64 - 2, 64 - 2 - 8
+    assert p.chunks == math.ceil((150 - 8) / stride) == 3 and not p.truncated
+    for k, piece in enumerate(p.pieces):
+        assert piece[0] == CLS and piece[-1] == SEP and len(piece) <= 64
+        assert piece[1:-1] == ids[1:-1][k * stride:k * stride + room]
+    # An input no longer than one window is never altered, whatever chunk_above says.
+    short = [CLS, *range(1000, 1062), SEP]
+    assert plan(short, MAX_LEN, always, special).pieces == [short]
+    # Other modes ignore chunk_above: the input fits the model, so it stays whole.
+    for mode in ("reject", "truncate"):
+        pol = always.model_copy(update={"mode": mode})
+        assert plan(ids, MAX_LEN, pol, special).pieces == [ids]
+
+
+def test_the_seeds_document_windows_400_and_50_on_a_long_context_model():
+    # The 910B config's form: a model of 32,768 positions, a 3,000-token document, EOS suffix.
+    eos = 151643
+    special = SpecialTokens(prefix=[], suffix=[eos])
+    doc = [*range(10, 3009), eos]
+    seed = LongInputPolicy(mode="chunk", chunk_tokens=400, chunk_overlap=50, chunk_above="always")
+    p = plan(doc, 32768, seed, special)
+    assert p.chunks == math.ceil((2999 - 50) / (399 - 50)) == 9
+    assert all(len(piece) <= 400 and piece[-1] == eos for piece in p.pieces)
+    for a, b in zip(p.pieces, p.pieces[1:]):
+        assert a[:-1][-50:] == b[:-1][:50]
+    assert plan(doc, 32768, seed.model_copy(update={"chunk_above": "max_model_len"}),
+                special).pieces == [doc]
+
+
+def test_the_910b_config_chunks_documents_always():
+    from embedfleet.deployments.config import CONFIG_DIR, load_config
+
+    (m,) = load_config(CONFIG_DIR / "ascend-910b-qwen3-embedding-8b.yaml").models
+    assert (m.long_input.mode, m.long_input.chunk_tokens, m.long_input.chunk_overlap,
+            m.long_input.chunk_above) == ("chunk", 400, 50, "always")
+    with pytest.raises(ValidationError):
+        LongInputPolicy(mode="chunk", chunk_above="sometimes")

@@ -107,6 +107,10 @@ class EmbeddingRequest(BaseModel):
         "merge. Default: the model's configured policy.")
     truncation_direction: Literal["right", "left"] | None = Field(
         default=None, description="With truncate: right keeps the beginning, left the end.")
+    chunk_above: Literal["max_model_len", "always"] | None = Field(
+        default=None, description="With chunk: split only inputs over the model's context "
+        "(max_model_len), or every input longer than one chunk window (always, for documents). "
+        "Default: the model's configured policy.")
     prompt_name: str | None = Field(
         default=None, description="Instruction template of the model to apply (e.g. 'query').")
     task: str | None = Field(default=None, description="Fills {task} in the template.")
@@ -234,4 +238,5 @@ def to_pipeline(req: EmbeddingRequest, lane: Lane = "interactive") -> EmbedReque
     return EmbedRequest(model=req.model, inputs=req.input, param="input",
                         dimensions=req.dimensions, long_input_mode=req.long_input,
                         truncation_direction=req.truncation_direction,
+                        chunk_above=req.chunk_above,
                         prompt_name=req.prompt_name, task=req.task, lane=lane)

@@ -40,7 +40,7 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict  # pydantic documents only this TypedDict before 3.12
 
 from embedfleet.deployments.contracts import Lane
-from embedfleet.deployments.request_path.long_input import TruncationDirection
+from embedfleet.deployments.request_path.long_input import ChunkAbove, TruncationDirection
 from embedfleet.deployments.api.openai import parse_body
 from embedfleet.deployments.request_path.pipeline import EmbedRequest
 
@@ -103,6 +103,9 @@ class TeiEmbedRequest(BaseModel):
     """embedfleet extension: which served model; None = the default model."""
     lane: Lane | None = None
     """embedfleet extension: the priority lane (as on /v1/embeddings); None = interactive."""
+    chunk_above: ChunkAbove | None = None
+    """embedfleet extension: with a model whose policy chunks, split every input longer than one
+    window (always) or only those over its context (max_model_len); None = the model's policy."""
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -139,7 +142,8 @@ def tei_to_pipeline(req: TeiEmbedRequest, model: str,
                  else None)
     return EmbedRequest(model=model, inputs=req.inputs, param="inputs",
                         dimensions=req.dimensions, long_input_mode=mode,
-                        truncation_direction=direction, prompt_name=req.prompt_name,
+                        truncation_direction=direction, chunk_above=req.chunk_above,
+                        prompt_name=req.prompt_name,
                         normalize=req.normalize, lane=lane)
 
 

@@ -8,13 +8,17 @@ choose, and reports what it did per input:
 * ``truncate`` - keep the beginning (``right``: cut the right end, TEI's/HF's naming) or the end
   (``left``) so the input is exactly ``max_len`` tokens;
 * ``chunk``    - overlapping windows, each embedded as its own sequence, merged by ``merge`` into a
-  token-weighted mean, re-normalised when the model normalises.
+  token-weighted mean, re-normalised when the model normalises. ``chunk_above`` says which inputs
+  are split: ``max_model_len`` (those the model cannot take whole) or ``always`` (every input
+  longer than one window: the seed's form for documents, 400-token windows with 50 of overlap,
+  faster than one long sequence since attention grows with the square of the length).
 
 Whatever the mode, an input longer than ``max_total_tokens`` is rejected: chunking turns one input
 into many engine sequences, so an unbounded input would be an unbounded amount of work.
 
-Inputs that fit the model are never altered, whatever the mode: the policy only governs inputs the
-engine could not take as they are, so a short input's vector never depends on the policy.
+Inputs that fit the model are never altered unless the policy is ``chunk`` with ``chunk_above:
+always`` (then an input longer than one window is split even if the model could take it whole);
+an input no longer than one window is never altered, whatever the policy.
 
 Special tokens. A tokenizer wraps the content in special tokens - BERT: ``[CLS] ... [SEP]``;
 Qwen3-Embedding: ``... <|endoftext|>`` (its last-token pooling reads that EOS). A cut or a window
@@ -32,12 +36,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
 from embedfleet.deployments.errors import InputTooLong, InvalidParameterValue, UnsupportedParameter
 
 LongInputMode = Literal["reject", "truncate", "chunk"]
 TruncationDirection = Literal["right", "left"]
+ChunkAbove = Literal["max_model_len", "always"]
 _PROBE_TEXT = "embedfleet probe"
 
 
@@ -46,18 +51,27 @@ class LongInputPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: LongInputMode = "reject"
-    """What to do with an input longer than the model's maximum length."""
-    truncation_direction: TruncationDirection = "right"
-    """``right`` keeps the beginning (cuts the right end); ``left`` keeps the end."""
-    chunk_tokens: PositiveInt | None = None
-    """Window size in tokens, special tokens included; None = the model's maximum length. A larger
-    value is capped at the model's maximum length when planning."""
-    chunk_overlap: NonNegativeInt = 50
-    """Content tokens shared by consecutive windows, so no sentence is only ever seen cut."""
-    max_total_tokens: PositiveInt | None = None
-    """Bound on any one input in every mode (chunking included); None = no bound beyond the request
-    body limit."""
+    mode: LongInputMode = Field(
+        default="reject", description="What to do with an input longer than the model's maximum "
+        "length: refuse it (400), cut it, or split it into windows and merge their vectors.")
+    truncation_direction: TruncationDirection = Field(
+        default="right", description="With truncate: right keeps the beginning (cuts the right "
+        "end), left keeps the end.")
+    chunk_tokens: PositiveInt | None = Field(
+        default=None, description="Chunk window in tokens, special tokens included; null: the "
+        "model's maximum length. A larger value is capped at it. The seed's windows for documents "
+        "are 400 tokens.")
+    chunk_overlap: NonNegativeInt = Field(
+        default=50, description="Content tokens shared by consecutive windows, so no sentence is "
+        "only ever seen cut.")
+    chunk_above: ChunkAbove = Field(
+        default="max_model_len", description="With chunk, which inputs are split: max_model_len "
+        "chunks only inputs the model cannot take whole; always chunks every input longer than "
+        "one window (the seed's form for documents: short windows are faster than one long "
+        "sequence, and the index holds the windows' mean).")
+    max_total_tokens: PositiveInt | None = Field(
+        default=None, description="Bound on any one input in every mode (chunking included); "
+        "null: no bound beyond the request's own limits.")
 
     @model_validator(mode="after")
     def _overlap_below_window(self) -> LongInputPolicy:
@@ -179,7 +193,8 @@ def plan(token_ids: Sequence[int], max_len: int, policy: LongInputPolicy,
     if policy.max_total_tokens is not None and n > policy.max_total_tokens:
         raise _too_long(what, n, policy.max_total_tokens, "the maximum total input length", "",
                         param)
-    if n <= max_len:
+    always = policy.mode == "chunk" and policy.chunk_above == "always"
+    if n <= (policy.window(max_len) if always else max_len):
         return InputPlan([ids], [n], truncated=False, dropped_tokens=0, chunks=1, input_tokens=n)
     if policy.mode == "reject":
         raise _too_long(what, n, max_len, "the model's maximum context length",

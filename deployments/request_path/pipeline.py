@@ -20,8 +20,8 @@ from embedfleet.deployments import metrics
 from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig
 from embedfleet.deployments.contracts import (EmbedCall, EmbedResult, InputReport, Lane,
                                               merged_headers)
-from embedfleet.deployments.errors import (ModelNotFound, Overloaded, RequestTooLarge,
-                                           TooManyInputs, clip)
+from embedfleet.deployments.errors import (InvalidParameterValue, ModelNotFound, Overloaded,
+                                           RequestTooLarge, TooManyInputs, clip)
 from embedfleet.deployments.options import router_model_share
 from embedfleet.deployments.request_path.long_input import LongInputPolicy
 
@@ -48,6 +48,7 @@ class EmbedRequest:
     dimensions: int | None = None
     long_input_mode: str | None = None  # None: the model's configured mode
     truncation_direction: str | None = None
+    chunk_above: str | None = None  # None: the model's configured policy
     prompt_name: str | None = None
     task: str | None = None
     normalize: bool = True
@@ -71,10 +72,18 @@ def long_input_headers(report: tuple[InputReport, ...]) -> dict[str, str]:
 
 def request_policy(default: LongInputPolicy, req: EmbedRequest) -> LongInputPolicy | None:
     """The request's long-input overrides on the model's policy (None: nothing overridden).
-    Chunk sizes and the total bound always come from the model's configuration."""
+    Chunk sizes and the total bound always come from the model's configuration. A request's
+    ``chunk_above`` only means something in chunk mode: elsewhere it is a 400, not ignored."""
     update = {k: v for k, v in (("mode", req.long_input_mode),
-                                 ("truncation_direction", req.truncation_direction)) if v}
-    return default.model_copy(update=update) if update else None
+                                 ("truncation_direction", req.truncation_direction),
+                                 ("chunk_above", req.chunk_above)) if v}
+    policy = default.model_copy(update=update) if update else None
+    if req.chunk_above and (policy or default).mode != "chunk":
+        raise InvalidParameterValue(
+            f"chunk_above applies to chunked inputs; this request's long-input mode is "
+            f"{(policy or default).mode!r} (ask for long_input=chunk, or drop chunk_above)",
+            param="chunk_above")
+    return policy
 
 
 def check_request_size(cfg: EmbedfleetConfig, m: ModelConfig, inputs: list, param: str) -> None:

@@ -264,3 +264,24 @@ def test_the_key_sets_fingerprint_tells_sets_apart_and_no_key():
     assert same.fingerprint() == ApiKeys(tuple(k.encode() for k in one)).fingerprint()
     assert other.fingerprint() != same.fingerprint() != a.fingerprint()
     assert ONE not in same.fingerprint() and len(same.fingerprint()) == len("sha256:") + 12
+
+
+def test_a_direct_ingress_replica_fails_on_missing_keys_before_it_loads_an_engine(tmp_path,
+                                                                                monkeypatch):
+    """A one-model app's engine replica takes HTTP itself: it checks its keys first, so a node
+    without them costs no engine start (minutes on a card) before the replica fails."""
+    import asyncio
+
+    from embedfleet.deployments.api.direct import DirectEngineCore
+    from embedfleet.deployments.config import config_to_data
+    from embedfleet.deployments.replica import EngineReplica
+
+    async def no_engine(*a, **k):
+        raise AssertionError("the engine replica started before its keys were checked")
+
+    monkeypatch.setattr(EngineReplica, "__init__", no_engine)
+    cfg = _cfg(api_keys_file=str(tmp_path / "absent"))
+    replica = object.__new__(DirectEngineCore)
+    replica._app = new_api()
+    with pytest.raises(KeysError, match="cannot read it on this node"):
+        asyncio.run(DirectEngineCore.__init__(replica, config_to_data(cfg), cfg.models[0].name))

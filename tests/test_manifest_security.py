@@ -83,6 +83,12 @@ def test_kuberay_publishes_no_ray_port_outside_the_cluster(kuberay):
     (svc,) = kuberay["RayService"]
     head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert head["serviceType"] == "ClusterIP"
+    # the dashboard's 0.0.0.0 inside the head pod is the pod's own network namespace, never a
+    # node's: no pod shares its node's network
+    for pod in _pods(svc):
+        assert not pod["spec"].get("hostNetwork") and not pod["spec"].get("hostPort")
+        for c in pod["spec"]["containers"]:
+            assert all("hostPort" not in p for p in c.get("ports", []))
     for service in kuberay.get("Service", []):  # the render's own Services: Redis only
         assert service["spec"]["type"] == "ClusterIP"
     ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}

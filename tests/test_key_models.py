@@ -27,7 +27,14 @@ def client(tmp_path):
     cfg = parse_config({"models": [{"name": MODEL, "source": source},
                                    {"name": OTHER, "source": source}],
                         "router": {"api_keys_file": str(keys)}})
-    with router_client(cfg) as c:
+    async def status():  # both models serving (tests/test_openapi.py's one-card fleet)
+        from tests.test_openapi import fleet
+
+        one = fleet(1).models[0]
+        return fleet(1).model_copy(update={"models": [one.model_copy(update={"model": name})
+                                                      for name in (MODEL, OTHER)]})
+
+    with router_client(cfg, status) as c:
         serve_api_keys(c.app, cfg)
         yield c
 
@@ -50,3 +57,13 @@ def test_a_limited_key_gets_403_for_another_model_and_its_own_is_served(client, 
 @pytest.mark.parametrize("path", sorted(BODIES))
 def test_a_key_without_a_list_may_use_every_model(client, path):
     assert _post(client, path, OTHER, FREE).status_code == 200
+
+
+def test_v1_models_lists_only_the_models_a_limited_key_may_use(client):
+    def listed(key: str) -> list[str]:
+        resp = client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert resp.status_code == 200, resp.text
+        return sorted(m["id"] for m in resp.json()["data"])
+
+    assert listed(LIMITED) == [MODEL]
+    assert listed(FREE) == sorted([MODEL, OTHER])

@@ -233,11 +233,16 @@ def load_key_models(keys_file: str | None) -> dict[bytes, frozenset[str]]:
             if v.models is not None}
 
 
+def allowed_models(state: Any) -> frozenset[str] | set[str] | None:
+    """The models the request's key is limited to, or None (any). ``state``: the request's
+    ``request.state`` (or its scope's state dict)."""
+    return (state.get(MODEL_LIMIT) if isinstance(state, dict)
+            else getattr(state, MODEL_LIMIT, None))
+
+
 def check_model_allowed(state: Any, model: str) -> None:
-    """403 (``ModelNotAllowed``) when the request's key is limited to other models. ``state``:
-    the request's ``request.state`` (or its scope's state dict)."""
-    allowed = (state.get(MODEL_LIMIT) if isinstance(state, dict)
-               else getattr(state, MODEL_LIMIT, None))
+    """403 (``ModelNotAllowed``) when the request's key is limited to other models."""
+    allowed = allowed_models(state)
     if allowed is not None and model not in allowed:
         raise ModelNotAllowed(f"this API key may not use model {clip(model, 64)}; it may use "
                               f"{', '.join(sorted(allowed))}", param="model")

@@ -157,8 +157,8 @@ def mount_routes(app: FastAPI, core: type) -> type:
             return await self.api.embed_batch(call)
 
         @app.get("/v1/models", **openapi.doc("/v1/models"))
-        async def models(self) -> Response:
-            return await self.api.models()
+        async def models(self, request: Request) -> Response:
+            return await self.api.models(request)
 
         @app.get("/health", **openapi.doc("/health"))
         async def health(self) -> Response:

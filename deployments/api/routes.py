@@ -19,7 +19,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from embedfleet.deployments import metrics
-from embedfleet.deployments.api.auth import check_model_allowed
+from embedfleet.deployments.api.auth import allowed_models, check_model_allowed
 from embedfleet.deployments.api.http import json_response, read_json_body
 from embedfleet.deployments.api.lanes import request_lane
 from embedfleet.deployments.api.openai import (embedding_response, parse_embedding_request,
@@ -185,11 +185,13 @@ class ApiRoutes:
                            "registry may be restarting", retry_after_s=self.cfg.router.retry_after_s
                            ) from None
 
-    async def models(self) -> Response:
-        """The served models. A card is named by its device alone unless the operator set
+    async def models(self, request: Request | None = None) -> Response:
+        """The served models: those the request's API key may use (``models=`` in the keys
+        file). A card is named by its device alone unless the operator set
         ``router.expose_replica_details``: node names are addresses by default, and neither
         they nor process ids are a client's business."""
         st = await self._fleet()
+        allowed = None if request is None else allowed_models(request.state)
         hidden = None if self.cfg.router.expose_replica_details else {"node", "pid"}
         data = [{
             "id": m.model, "object": "model", "created": self.started, "owned_by": "embedfleet",
@@ -200,7 +202,7 @@ class ApiRoutes:
                          "cards": [c.model_dump(mode="json", exclude=hidden)
                                    for c in m.cards]},
             "prefix_cache": m.prefix_cache.model_dump(mode="json"),
-        } for m in st.models]
+        } for m in st.models if allowed is None or m.model in allowed]
         return json_response({"object": "list", "data": data})
 
     async def health(self) -> Response:

@@ -41,11 +41,14 @@ def one_model_config(**router: Any) -> EmbedfleetConfig:
 
 
 @contextlib.contextmanager
-def router_client(cfg: EmbedfleetConfig) -> Iterator[TestClient]:
+def router_client(cfg: EmbedfleetConfig, status=None) -> Iterator[TestClient]:
+    """``status``: the fleet's status (an async function), for /v1/models and /ready."""
     import ray.serve
 
-    async def status():
+    async def no_status():
         raise AssertionError("the fleet's status is not used here")
+
+    status = status or no_status
 
     api = ApiRoutes(cfg, EmbedPipeline(cfg, {m.name: standin_replicas for m in cfg.models}),
                     status, standin_tokenize, metrics.Batched())

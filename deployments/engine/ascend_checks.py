@@ -23,11 +23,11 @@ import os
 import platform
 import re
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Mapping
 
 from embedfleet.deployments.engine.ascend_release import CANN_VERSION
+from embedfleet.deployments.engine.vllm_api import distribution_version
 
 # The pinned vllm-ascend release's own requirement (its install guide: CANN == 9.1.0); the seed's
 # figure was 8.1.RC1, older than that release needs.
@@ -272,15 +272,6 @@ def run_checks(env: AscendEnvironment, *, min_cann: str = MIN_CANN) -> list[Chec
 
 # -- reading the real machine -----------------------------------------------------------------
 
-def _dist_version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def find_toolkit_info(environ: Mapping[str, str] | None = None,
                       machine: str | None = None) -> tuple[str | None, str]:
     """(path of the first toolkit info file found, or None; the roots searched, for messages)."""
@@ -317,8 +308,8 @@ def probe(environ: Mapping[str, str] | None = None, dev_dir: str = "/dev") -> As
     devices = {f"/dev/{n}" for n in names}
     return AscendEnvironment(
         cann_version=cann,
-        torch_version=_dist_version("torch"),
-        torch_npu_version=_dist_version("torch-npu", "torch_npu"),
+        torch_version=distribution_version(("torch",)),
+        torch_npu_version=distribution_version(("torch-npu", "torch_npu")),
         visible_devices=environ.get(VISIBLE_DEVICES_ENV),
         device_paths=frozenset(devices),
         cann_info_path=info_path or searched,

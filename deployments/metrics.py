@@ -103,11 +103,18 @@ SPECS: tuple[MetricSpec, ...] = (
                "Free part of the KV pool at the interval's peak: reserved, never pressure.",
                ("node", "device")),
     MetricSpec("embedfleet_allocator_cache_free_bytes", "gauge",
-               "Memory the device allocator caches but no tensor held at the interval's peak.",
+               "Memory the device allocator caches in whole free segments at the interval's "
+               "peak: room it hands back on demand, not pressure (fragmentation is not in it).",
                ("node", "device")),
+    MetricSpec("embedfleet_allocator_alloc_retries", "gauge",
+               "The engine's allocator: allocations that needed its cache freed and a retry, "
+               "since the engine started (a rise cuts the card's budget).", ("node", "device")),
+    MetricSpec("embedfleet_allocator_ooms", "gauge",
+               "The engine's allocator: allocations that failed even after a retry, since the "
+               "engine started (a rise cuts the card's budget).", ("node", "device")),
     MetricSpec("embedfleet_card_memory_live_ratio", "gauge",
-               "The replica's own reading of the governor's signal (live / capacity).",
-               ("node", "device")),
+               "The replica's own reading of the governor's signal: memory outside the KV pool "
+               "over the card minus the pool.", ("node", "device")),
     MetricSpec("embedfleet_prompt_tokens_total", "counter",
                "Prompt tokens sent into the engine on this card.", ("model", "node", "device")),
     MetricSpec("embedfleet_prefix_cache_hit_tokens_total", "counter",
@@ -145,6 +152,13 @@ SPECS: tuple[MetricSpec, ...] = (
                "Token budget the governor set for the card.", ("node", "device")),
     MetricSpec("embedfleet_governor_limit_sequences", "gauge",
                "Sequence budget the governor set for the card.", ("node", "device")),
+    MetricSpec("embedfleet_governor_high", "gauge",
+               "The ratio at or above which the governor cuts this card (its model's card "
+               "profile, or the configured band): the card-memory alert's threshold.",
+               ("node", "device")),
+    MetricSpec("embedfleet_governor_low", "gauge",
+               "The ratio at or below which the governor grows this card's budget back.",
+               ("node", "device")),
     MetricSpec("embedfleet_governor_stale", "gauge",
                "1 when the governor holds last limits because Prometheus is unreachable or stale.",
                ()),

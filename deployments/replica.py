@@ -144,7 +144,8 @@ class EngineReplica:
             peak_window_s=cfg.governor.peak_window_s,
             idle=lambda: self.path.inflight_sequences == 0,
             last_activity=lambda: self.path.last_progress,
-            cpu_card=CpuCardModel(cfg.platform.cpu_card_memory_bytes) if kind == "cpu" else None)
+            cpu_card=CpuCardModel(cfg.platform.cpu_card_memory_bytes) if kind == "cpu" else None,
+            model=model_name, configured_total_bytes=cfg.platform.card_memory_bytes)
         self.reporter = Reporter(replica_id=self.replica_id, card=self.card, platform=kind,
                                  path=self.path, prefix=self.prefix, follower=self.follower,
                                  registry=registry, healthy=self._ready,
@@ -180,7 +181,8 @@ class EngineReplica:
     def _pull_limits(self, governor: Any, ceiling):
         if governor is None:
             return None
-        return lambda: governor.limits_for.remote(self.card.node, self.card.device, ceiling)
+        return lambda report: governor.limits_for.remote(self.card.node, self.card.device,
+                                                         ceiling, report)
 
     async def _report_canary_failure(self, reason: str, canary: CanaryView) -> None:
         if self._registry is not None:
@@ -196,7 +198,7 @@ class EngineReplica:
                          "governor will keep this card's budget at its floor; lower "
                          "gpu_memory_utilization or serve a smaller model (live %d of %d bytes)",
                          self.card.label, reading.ratio, high, reading.live_bytes,
-                         reading.total_bytes - reading.kv_free_bytes)
+                         reading.capacity_bytes)
 
     # -- what Serve calls ----------------------------------------------------------------------
     async def embed(self, call: EmbedCall) -> EmbedResult:

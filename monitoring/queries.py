@@ -25,7 +25,8 @@ AFFINITY_ROUTED_RATE = "model_outcome:embedfleet_affinity_routed:rate5m"
 
 # Per card (labels: node, device).
 CARD_MEMORY_RATIO = "card:embedfleet_memory:ratio"
-"""Live card memory pressure per (node, device) (``live_ratio``; not the engine's reservation).
+"""Card memory pressure outside the KV pool per (node, device) (``live_ratio``; not the engine's
+reservation, not the pool's fill).
 The memory governor runs exactly this query (an instant query of the recording rule) and the
 card-memory alert fires on it."""
 BUDGET_FILL_RATIO = "card:embedfleet_budget_fill:ratio"
@@ -59,15 +60,18 @@ def ray_gauge(metric: str) -> str:
 def live_ratio(used: str, total: str) -> str:
     """The governor's signal in PromQL, the same formula as ``card_memory.live_pressure``:
 
-        (used − allocator cache free − KV pool free) / (total − KV pool free)
+        (used − allocator cache free − KV pool) / (total − KV pool)
 
-    ``used`` and ``total`` are per-card byte vectors labelled exactly (node, device): from the
-    replicas (the ``embedfleet`` preset) or from npu-exporter / DCGM. The KV and allocator terms
-    always come from the replicas. A card whose replica reports no KV term has no result (the
+    i.e. memory outside the KV pool over what the pool leaves: the pool is preallocated, so
+    filling it is not pressure (its use is the separate ``kv_cache_usage_peak`` series).
+    ``used`` and ``total`` are per-card byte vectors labelled exactly (node, device), on the
+    runtime's scale: from the replicas (the ``embedfleet`` preset) or from npu-exporter / DCGM
+    put on that scale (``memory_queries.exporter_query``). The pool and allocator terms always
+    come from the replicas. A card whose replica reports no pool term has no result (the
     governor holds it stale) rather than a raw ratio saturated by vLLM's reservation."""
     # The replica's terms (``embedfleet.deployments.engine.card_memory``), exported per card.
-    kv = per_card(ray_gauge("ray_embedfleet_kv_cache_free_bytes"))
+    pool = per_card(ray_gauge("ray_embedfleet_kv_cache_pool_bytes"))
     cache = per_card(ray_gauge("ray_embedfleet_allocator_cache_free_bytes"))
     return (f"clamp_min(\n  {used}\n  - on (node, device) {cache}\n"
-            f"  - on (node, device) {kv},\n  0)\n"
-            f"/\n(\n  {total}\n  - on (node, device) {kv}\n  > 0)")
+            f"  - on (node, device) {pool},\n  0)\n"
+            f"/\n(\n  {total}\n  - on (node, device) {pool}\n  > 0)")

@@ -1,8 +1,9 @@
-"""The governor's signal: live memory pressure from the engine's probe and the KV pool.
+"""The governor's signal: memory pressure outside the KV pool, from the engine's probe.
 
-The formula is checked at its boundaries against what a 910B at 0.95 reserves; the CPU card
-model and the worker-side probe against real processes (resident memory, its peak and the
-``clear_refs`` reset)."""
+The formula is checked at its boundaries against what a 910B at 0.95 reserves (a full KV pool
+alone moves nothing); the allocator's terms (releasable cache, fragmentation, the retry and OOM
+counters); the CPU card model and the worker-side probe against real processes (resident
+memory, its peak and the ``clear_refs`` reset)."""
 
 from __future__ import annotations
 
@@ -12,65 +13,112 @@ import textwrap
 
 import pytest
 
-from embedfleet.deployments.engine.card_memory import (CardMemoryReading, CpuCardModel, idle_floor, live_pressure,
-                                     reading_from_probe)
+from embedfleet.deployments.engine.card_memory import (AllocatorCounters, CardMemoryReading,
+                                                       CpuCardModel, idle_floor, live_pressure,
+                                                       reading_from_probe, total_mismatch)
+from embedfleet.deployments.engine.card_profile import load_profile, shipped_profile_path
 from embedfleet.deployments.engine.kv_usage import KvUsageTracker
 
 GiB = 1 << 30
 MB = 1 << 20
 
 
-def test_reservation_alone_is_not_pressure():
-    # 910B, util 0.95: weights 14 GiB + runtime 2.5 + profiled activations 4.5 (cached by the
-    # allocator after warm-up) + a 39.8 GiB KV pool, nothing in flight.
-    pool = 39.8 * GiB
-    used = 14 * GiB + 2.5 * GiB + 4.5 * GiB + pool
-    raw = used / (64 * GiB)
-    assert raw > 0.94  # what the driver (npu-smi, mem_get_info) reports at idle
-    idle = live_pressure(used, 64 * GiB, kv_free=pool, cache_free=4.5 * GiB)
-    assert idle == pytest.approx((14 + 2.5) / (64 - 39.8))
-    assert idle < 0.8
+def test_reservation_and_a_full_pool_are_not_pressure():
+    # The shipped 910B profile (assumptions): weights + runtime outside a preallocated pool; the
+    # profile run's activations cached by the allocator (whole free segments) at idle.
+    p = load_profile(shipped_profile_path("ascend-910b-qwen3-embedding-8b"))
+    cached = p.worst_step_peak_bytes - p.idle_outside_pool_bytes
+    used = p.idle_outside_pool_bytes + p.kv_pool_bytes + cached
+    assert used / p.card_total_bytes > 0.94  # what the driver (npu-smi, mem_get_info) reports
+    idle = live_pressure(used, p.card_total_bytes, kv_pool=p.kv_pool_bytes, cache_free=cached)
+    assert idle == pytest.approx(p.idle_ratio) and idle < 0.8
+    # The pool fills (queued work holds its blocks): the same reading, whatever the fill.
+    readings = [CardMemoryReading(used_bytes=used, total_bytes=p.card_total_bytes,
+                                  kv_pool_bytes=p.kv_pool_bytes, kv_peak_usage=fill,
+                                  cache_free_bytes=cached) for fill in (0.0, 0.5, 1.0)]
+    assert {r.ratio for r in readings} == {idle}
+    assert [r.kv_free_bytes for r in readings][-1] == 0  # saturation is still there to read
+    # A worst step holds what it planned: the operating point, below the profile's cut.
+    op = live_pressure(used, p.card_total_bytes, kv_pool=p.kv_pool_bytes, cache_free=0)
+    assert op == pytest.approx(p.operating_point_ratio) and op < p.safe_ratio
 
 
 def test_ratio_is_one_exactly_when_the_card_is_full():
-    pool, kv_used = 30 * GiB, 10 * GiB
-    assert live_pressure(64 * GiB, 64 * GiB, kv_free=pool - kv_used) == pytest.approx(1.0)
-    # more KV in use with everything else equal: higher pressure
-    lo = live_pressure(50 * GiB, 64 * GiB, kv_free=20 * GiB)
-    hi = live_pressure(50 * GiB, 64 * GiB, kv_free=10 * GiB)
+    pool = 30 * GiB
+    assert live_pressure(64 * GiB, 64 * GiB, kv_pool=pool) == pytest.approx(1.0)
+    # more held outside the pool with everything else equal: higher pressure
+    lo = live_pressure(50 * GiB, 64 * GiB, kv_pool=pool, cache_free=4 * GiB)
+    hi = live_pressure(50 * GiB, 64 * GiB, kv_pool=pool, cache_free=2 * GiB)
     assert lo < hi < 1.0
-    assert live_pressure(10, 10, kv_free=10) == float("inf")  # no capacity left at all
+    assert live_pressure(10, 10, kv_pool=10) == float("inf")  # no capacity left at all
 
 
 def test_reading_terms_and_ratio():
     r = CardMemoryReading(used_bytes=60 * GiB, total_bytes=64 * GiB, kv_pool_bytes=40 * GiB,
                           kv_peak_usage=0.25, cache_free_bytes=2 * GiB)
     assert r.kv_free_bytes == 30 * GiB
-    assert r.live_bytes == 28 * GiB
-    assert r.ratio == pytest.approx(28 / 34)
+    assert r.live_bytes == 18 * GiB and r.capacity_bytes == 24 * GiB
+    assert r.ratio == pytest.approx(18 / 24)
 
 
-def test_device_probe_subtracts_the_allocators_idle_cache():
+def test_device_probe_counts_fragmentation_not_the_releasable_cache():
     probe = {"kind": 1, "used": 62 * GiB, "total": 64 * GiB, "reserved": 59 * GiB,
-             "peak_allocated": 55 * GiB, "weights": 14 * GiB}
+             "reserved_peak": 60 * GiB, "peak_allocated": 55 * GiB, "inactive_split_peak": 0,
+             "num_alloc_retries": 3, "num_ooms": 1, "weights": 14 * GiB}
     r = reading_from_probe(probe, kv_pool_bytes=40 * GiB, kv_peak_usage=0.0, cpu_card=None)
-    assert r.cache_free_bytes == 4 * GiB
-    assert r.ratio == pytest.approx((62 - 4 - 40) / (64 - 40))
+    # 1 GiB the allocator handed back since its peak is added back to the driver's reading;
+    # of the 60 GiB it reserved at its peak, 5 were whole free segments.
+    assert r.used_bytes == 63 * GiB and r.cache_free_bytes == 5 * GiB
+    assert r.ratio == pytest.approx((63 - 5 - 40) / (64 - 40))
+    assert r.allocator == AllocatorCounters(num_alloc_retries=3, num_ooms=1)
+    # Free pieces of segments that hold tensors cannot be handed back: they count.
+    frag = reading_from_probe({**probe, "inactive_split_peak": 2 * GiB}, 40 * GiB, 0.0, None)
+    assert frag.cache_free_bytes == 3 * GiB and frag.ratio > r.ratio
+    # An older probe (no peak, no fragmentation, no counters): what it has.
+    old = {k: v for k, v in probe.items()
+           if k not in ("reserved_peak", "inactive_split_peak", "num_alloc_retries", "num_ooms")}
+    r_old = reading_from_probe(old, 40 * GiB, 0.0, None)
+    assert r_old.used_bytes == 62 * GiB and r_old.cache_free_bytes == 4 * GiB
+    assert r_old.allocator == AllocatorCounters()
 
 
-def test_cpu_card_model_excludes_the_runtime_and_keeps_the_peak():
+def test_allocator_counter_rises_and_a_new_engine():
+    now = AllocatorCounters(num_alloc_retries=3, num_ooms=1)
+    assert now.rise_since(None) == (0, 0)  # the first reading is the baseline
+    assert now.rise_since(AllocatorCounters(num_alloc_retries=1, num_ooms=1)) == (2, 0)
+    # A new engine starts from 0: what it counted is all new.
+    assert now.rise_since(AllocatorCounters(num_alloc_retries=5, num_ooms=2)) == (3, 1)
+
+
+def test_cpu_card_model_follows_the_same_law_and_counts_overflows():
     card = CpuCardModel(2 * GiB)
     first = {"kind": 0, "used": 1500 * MB, "peak": 1500 * MB, "weights": 90 * MB}
     r0 = reading_from_probe(first, kv_pool_bytes=400 * MB, kv_peak_usage=0.0, cpu_card=card)
     assert card.baseline_bytes == 1010 * MB  # resident - weights - pool: Python, torch, libs
     assert r0.used_bytes == 490 * MB and r0.ratio == pytest.approx(90 / (2048 - 400))
+    # Under load the activations rise; the pool (zero-filled at start) does not, full or not.
     busy = {"kind": 0, "used": 1510 * MB, "peak": 2300 * MB, "weights": 90 * MB}
     r1 = reading_from_probe(busy, kv_pool_bytes=400 * MB, kv_peak_usage=1.0, cpu_card=card)
-    assert r1.used_bytes == 1290 * MB and r1.ratio == pytest.approx(1290 / 2048)
+    r1_empty = reading_from_probe(busy, kv_pool_bytes=400 * MB, kv_peak_usage=0.0,
+                                  cpu_card=card)
+    assert r1.used_bytes == 1290 * MB and r1.ratio == pytest.approx(890 / 1648)
+    assert r1_empty.ratio == r1.ratio
+    assert r1.allocator == AllocatorCounters()
+    # Past the stand-in card's capacity a real card's allocator would have retried and failed.
+    over = {"kind": 0, "used": 1510 * MB, "peak": 3100 * MB, "weights": 90 * MB}
+    r2 = reading_from_probe(over, kv_pool_bytes=400 * MB, kv_peak_usage=1.0, cpu_card=card)
+    assert r2.ratio > 1 and r2.allocator == AllocatorCounters(num_alloc_retries=1, num_ooms=1)
     with pytest.raises(ValueError):
         reading_from_probe(first, kv_pool_bytes=0, kv_peak_usage=0.0, cpu_card=None)
     with pytest.raises(ValueError):
         CpuCardModel(0)
+
+
+def test_runtime_total_cross_checks_the_config():
+    assert total_mismatch(65452113920, 64 * GiB) is None  # a 64 GB 910B: vllm-ascend #4404
+    assert total_mismatch(65452113920, None) is None
+    assert "runtime reports" in total_mismatch(32 * GiB, 64 * GiB)  # another card
+    assert "runtime reports" in total_mismatch(65 * GiB, 64 * GiB)
 
 
 def test_idle_floor_bounds():

@@ -1,4 +1,6 @@
-"""The governor's control law against canned series: boundaries, cooldown, floor/ceiling, staleness.
+"""The governor's control law against canned series: boundaries, cooldown, floor/ceiling, staleness;
+and the signal's law: a full KV pool alone never cuts, an allocator-retry delta always cuts, a card
+profile sets the band.
 
 Pure: no Ray, no Prometheus, no clock. Every number below follows from the default parameters and
 a 64-sequence / 65536-token ceiling: floor = 1/16 → 4 / 4096, step = 1/8 → 8 / 8192.
@@ -11,8 +13,15 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from embedfleet.deployments.control.governor_law import (CardLimits, CardState, GovernorParams, floor_of, hold_stale,
-                                  step, step_of)
+from hypothesis import given, settings, strategies as st
+
+from embedfleet.deployments.control.governor_law import (MIN_BAND, CardLimits, CardReport,
+                                                          CardState, GovernorParams, floor_of,
+                                                          hard_cut, hold_stale,
+                                                          params_for_profile, step, step_of)
+from embedfleet.deployments.engine.card_memory import AllocatorCounters, CardMemoryReading
+from embedfleet.deployments.engine.card_profile import (CardProfile, load_profile,
+                                                        shipped_profile_path)
 from embedfleet.monitoring import thresholds
 
 P = GovernorParams()
@@ -239,3 +248,106 @@ def test_a_whole_canned_series():
                                                32, 40, 40, 48]
     assert [s.changed for s in states] == [False, True, False, False, False, False, False, True,
                                            False, True, False, True, True, True, False, True]
+
+
+# --- the signal's law: a full pool is not pressure; the allocator's failures always cut -------
+
+GiB = 1 << 30
+PROFILE = load_profile(shipped_profile_path("ascend-910b-qwen3-embedding-8b"))
+
+
+def states_of(ceiling=CEIL):
+    """Any state the law can hold a card in: budgets between floor and ceiling, with or without
+    a recent cut, stale or not, with any last ratio."""
+    f_seq, f_tok = floor_of(P, ceiling)
+    return st.builds(
+        lambda seq, tok, cut_ago, stale, ratio: CardState(
+            limits=CardLimits(max_sequences=seq, max_tokens=tok, stale=stale),
+            action="stale" if stale else "hold", changed=False, ratio=ratio, sample_ts=T0 - 10,
+            last_decrease_ts=None if cut_ago is None else T0 - cut_ago),
+        st.integers(f_seq, ceiling.max_sequences), st.integers(f_tok, ceiling.max_tokens),
+        st.none() | st.floats(0, 100), st.booleans(),
+        st.none() | st.floats(allow_nan=True, allow_infinity=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(8 * GiB, 96 * GiB), pool_share=st.floats(0.0, 0.9),
+       outside_share=st.floats(0.0, 1.0), cache=st.integers(0, 8 * GiB),
+       fills=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=5), previous=states_of())
+def test_a_full_pool_alone_never_cuts(total, pool_share, outside_share, cache, fills, previous):
+    """Whatever the KV pool's fill, the ratio is that of the memory outside it; a card below
+    `high` outside its pool is never cut, however full its pool."""
+    pool = int(total * pool_share)
+    outside = int((total - pool) * outside_share * P.high * 0.999)  # below high outside the pool
+    used = outside + pool + cache
+    readings = [CardMemoryReading(used_bytes=used, total_bytes=total, kv_pool_bytes=pool,
+                                  kv_peak_usage=fill, cache_free_bytes=cache)
+                for fill in [1.0, *fills]]
+    ratios = {r.ratio for r in readings}
+    assert len(ratios) == 1 and ratios.pop() < P.high
+    for r in readings:
+        new = step(P, CEIL, previous, r.ratio, T0, T0)
+        assert new.action != "decrease", new.reason
+
+
+def test_a_full_pool_at_the_profiles_operating_point_keeps_the_ceiling():
+    # The shipped 910B profile: a worst step (2 x 32K) with the pool full reads the planned
+    # operating point, above the configured 0.90 but inside the profile's band.
+    band = params_for_profile(P, PROFILE)
+    outside = PROFILE.worst_step_peak_bytes
+    r = CardMemoryReading(used_bytes=outside + PROFILE.kv_pool_bytes,
+                          total_bytes=PROFILE.card_total_bytes,
+                          kv_pool_bytes=PROFILE.kv_pool_bytes, kv_peak_usage=1.0)
+    assert r.ratio == pytest.approx(PROFILE.operating_point_ratio) and r.ratio >= P.high
+    states = run([(T0 + 5 * i, r.ratio) for i in range(20)], params=band)
+    assert {s.action for s in states} <= {"hold"} and budgets(states)[-1] == (64, 65536)
+    # The same card read against the configured band alone would have been cut.
+    assert "decrease" in {s.action for s in run([(T0, r.ratio)])}
+
+
+@settings(max_examples=300, deadline=None)
+@given(previous=states_of(), retries=st.integers(1, 5), ooms=st.integers(0, 2),
+       engine_ooms=st.integers(0, 2), before=st.integers(0, 1000))
+def test_an_allocator_retry_delta_always_cuts(previous, retries, ooms, engine_ooms, before):
+    """A rise in num_alloc_retries cuts at once, whatever the ratio (low, NaN, none), stale or
+    not, within the cooldown or not; only the floor stops it."""
+    was = CardReport(allocator=AllocatorCounters(num_alloc_retries=before, num_ooms=0))
+    now = CardReport(allocator=AllocatorCounters(num_alloc_retries=before + retries,
+                                                 num_ooms=ooms), engine_ooms=engine_ooms)
+    r, o, e = now.rise_since(was)
+    assert (r, o, e) == (retries, ooms, engine_ooms)
+    new = hard_cut(P, CEIL, previous, retries=r, ooms=o, engine_ooms=e, now=T0)
+    old = (previous.limits.max_sequences, previous.limits.max_tokens)
+    got = (new.limits.max_sequences, new.limits.max_tokens)
+    if old == floor_of(P, CEIL):
+        assert got == old and "already at floor" in new.reason
+    else:
+        assert got < old or got[1] < old[1]
+        assert got[0] <= old[0] and got[1] <= old[1] and new.action == "decrease"
+        assert got[0] >= floor_of(P, CEIL)[0] and got[1] >= floor_of(P, CEIL)[1]
+        assert new.last_decrease_ts == T0
+    assert f"{retries} allocator retries" in new.reason
+
+
+def test_no_rise_no_cut_and_the_first_report_is_a_baseline():
+    a = CardReport(allocator=AllocatorCounters(num_alloc_retries=7, num_ooms=2), engine_ooms=1)
+    assert a.rise_since(None) == (0, 0, 0)
+    assert a.rise_since(a) == (0, 0, 0)
+    # engine OOMs are the replica's own count: a lower value never reads as a rise
+    assert a.rise_since(a.model_copy(update={"engine_ooms": 3})) == (0, 0, 0)
+
+
+def test_a_profile_sets_the_band():
+    band = params_for_profile(P, PROFILE)
+    assert band.high == pytest.approx(PROFILE.safe_ratio)
+    assert band.low == pytest.approx(PROFILE.operating_point_ratio)
+    assert (band.decrease_factor, band.cooldown_s) == (P.decrease_factor, P.cooldown_s)
+    assert params_for_profile(P, None) is P
+    # A worst step that does not leave the margin: the plan itself is past the cut, and the
+    # band keeps its minimum width below it.
+    tight = CardProfile.model_validate({**PROFILE.model_dump(),
+                                        "safety_margin_bytes": PROFILE.headroom_bytes * 2})
+    assert not tight.fits
+    b = params_for_profile(P, tight)
+    assert b.high < tight.operating_point_ratio
+    assert b.low == pytest.approx(b.high - MIN_BAND)

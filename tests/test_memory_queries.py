@@ -1,10 +1,11 @@
 """Card memory presets and client against a REAL Prometheus, under the governor's live signal.
 
 What this proves: the npu-exporter preset's PromQL, Prometheus' HTTP API and our parsing agree on
-the *live* ratio (``embedfleet.deployments.engine.card_memory.live_pressure``: device used from the exporter, the
-free KV pool and the allocator's idle cache from the replicas through Ray), with the right
-node/device labels and the exporter sample's own timestamp; a card without its replica terms
-gives no result; failures surface as ``PrometheusUnavailable``. The DCGM / npu edge cases and
+the ratio outside the KV pool (``embedfleet.deployments.engine.card_memory.live_pressure``: device
+used from the exporter on the runtime's scale, the KV pool and the allocator's releasable cache
+from the replicas through Ray), with the right node/device labels and the exporter sample's own
+timestamp; a KV pool filling up moves nothing; a card without its replica terms gives no result;
+failures surface as ``PrometheusUnavailable``. The DCGM / npu edge cases and
 the PromQL ``live_ratio`` itself are checked with ``promtool test rules`` (PromQL over canned
 series, no server), the latter against ``live_pressure`` point by point.
 
@@ -46,39 +47,47 @@ ROOT = Path(__file__).resolve().parents[1]
 NPU = PRESETS["npu-exporter"]
 # The replica's engine terms as Prometheus scrapes them (``embedfleet.deployments.metrics`` after Ray's
 # export); a test below checks that ``embedfleet.monitoring.queries.live_ratio`` reads exactly these.
-KV_FREE, CACHE_FREE = SERIES["kv_free"], SERIES["cache_free"]
+KV_POOL_SERIES, CACHE_FREE = SERIES["kv_pool"], SERIES["cache_free"]
 # Prometheus applies a new target list at most every 5 s, then scrapes every 1 s: 20 s is
 # generous on a loaded 2-core machine and still bounds a broken setup.
 WAIT_S = 20.0
 
-# A 64 GiB 910B serving Qwen3-Embedding-8B at gpu_memory_utilization 0.95, as in
-# benchmarks/governor_sim.py: npu-exporter reads the reservation, 0.95 of the card, whether the
-# card is idle or full; what changes is how much of the KV pool is free.
+# A 64 GiB card at gpu_memory_utilization 0.95 with a 24 GiB KV pool: npu-exporter reads the
+# reservation, 0.95 of the card, whether the card is idle or busy. Filling the KV pool changes
+# nothing outside it (POOL_FULL); what changes the ratio is a step's activations taking the
+# allocator's cached memory (HOT). Exporter and runtime totals agree here (the scale test below
+# has them differ).
 GiB, MiB = 1 << 30, 1 << 20
 TOTAL_MB = 65536.0
 RESERVED_MB = 0.95 * TOTAL_MB
-KV_POOL = int(39.7 * GiB)
-IDLE = {"kv_free": KV_POOL, "cache_free": int(4.5 * GiB)}  # pool free, profiled activations idle
-FULL = {"kv_free": KV_POOL // 50, "cache_free": GiB // 2}  # 98 % of the pool holds work
+KV_POOL = 24 * GiB
+IDLE = {"kv_pool": KV_POOL, "kv_free": KV_POOL, "cache_free": 8 * GiB}  # warm-up's cache idle
+POOL_FULL = {**IDLE, "kv_free": 0}                                      # queued work in the pool
+HOT = {"kv_pool": KV_POOL, "kv_free": 0, "cache_free": int(0.4 * GiB)}  # a step holds the cache
+RUNTIME = {"total": TOTAL_MB * MiB}  # the replica's runtime total, which the preset's scale uses
 PARAMS = GovernorParams()
 # The raw value of the exporter's gauges, with the preset's node/device labels.
 RAW = ('label_replace(npu_chip_info_hbm_used_memory / npu_chip_info_hbm_total_memory, '
        '"device", "$1", "id", "(.*)")')
 
 
-def live(used_mb: float, total_mb: float, kv_free: float, cache_free: float) -> float:
-    """What the preset must answer for exporter MB values and replica byte terms."""
-    return live_pressure(used_mb * MiB, total_mb * MiB, kv_free, cache_free)
+def live(used_mb: float, total_mb: float, kv_pool: float, cache_free: float,
+         kv_free: float = 0) -> float:
+    """What the preset must answer for exporter MB values and replica byte terms (the free part
+    of the pool is not in the formula)."""
+    return live_pressure(used_mb * MiB, total_mb * MiB, kv_pool, cache_free)
 
 
 IDLE_LIVE = live(RESERVED_MB, TOTAL_MB, **IDLE)
-FULL_LIVE = live(RESERVED_MB, TOTAL_MB, **FULL)
+HOT_LIVE = live(RESERVED_MB, TOTAL_MB, **HOT)
 
 
-def test_the_910b_profile_spans_the_band():
-    """The premise of the tests below: raw says "cut", live idle says "grow", live full "cut"."""
+def test_the_profile_spans_the_band():
+    """The premise of the tests below: raw says "cut", idle says "grow", a full pool changes
+    nothing, a step holding the cache says "cut"."""
     assert RESERVED_MB / TOTAL_MB >= PARAMS.high
-    assert IDLE_LIVE < PARAMS.low < PARAMS.high < FULL_LIVE < 1
+    assert live(RESERVED_MB, TOTAL_MB, **POOL_FULL) == IDLE_LIVE
+    assert IDLE_LIVE < PARAMS.low < PARAMS.high < HOT_LIVE < 1
 
 
 def wait_for(fetch, done, timeout: float = WAIT_S, what: str = "condition"):
@@ -138,7 +147,8 @@ def scraped(prometheus, metric: str, node: str) -> dict:
 
 # --- the npu-exporter preset through real Prometheus ------------------------------------------
 
-def test_a_reserved_910b_reads_live_and_a_full_kv_pool_crosses_high(exporter, agent, prometheus):
+def test_a_reserved_card_reads_outside_its_pool_a_full_pool_moves_nothing_a_hot_step_cuts(
+        exporter, agent, prometheus):
     cards = {("node-a", "0"), ("node-a", "1")}
     got = wait_for(lambda: ratios(prometheus), lambda r: cards <= set(r), what="both cards read")
     raw = ratios(prometheus, RAW)
@@ -147,11 +157,18 @@ def test_a_reserved_910b_reads_live_and_a_full_kv_pool_crosses_high(exporter, ag
         assert raw[card].ratio == pytest.approx(0.95) and raw[card].ratio >= PARAMS.high
         assert got[card].ratio == pytest.approx(IDLE_LIVE, rel=1e-12)
         assert got[card].ratio < PARAMS.low
-    # Card 1's KV pool fills up: same device reading, live pressure above high.
-    agent.set_card("node-a", 1, **FULL)
+    # Card 1's KV pool fills up: it was preallocated, nothing moves.
+    agent.set_card("node-a", 1, **POOL_FULL)
+    wait_for(lambda: scraped(prometheus, SERIES["kv_free"], "node-a"),
+             lambda r: r.get(("node-a", "1"), (1,))[0] == 0, what="card 1's pool full")
+    time.sleep(1.5)  # a scrape after it, for the ratio too
+    got = ratios(prometheus)
+    assert got[("node-a", "1")].ratio == pytest.approx(IDLE_LIVE, rel=1e-12)
+    # A step's activations take the allocator's cache: same device reading, above high.
+    agent.set_card("node-a", 1, **HOT)
     got = wait_for(lambda: ratios(prometheus),
-                   lambda r: r.get(("node-a", "1"), (0,))[0] == pytest.approx(FULL_LIVE),
-                   what="card 1 at its full-pool live ratio")
+                   lambda r: r.get(("node-a", "1"), (0,))[0] == pytest.approx(HOT_LIVE),
+                   what="card 1 at its hot-step ratio")
     assert got[("node-a", "1")].ratio >= PARAMS.high
     assert got[("node-a", "0")].ratio == pytest.approx(IDLE_LIVE, rel=1e-12)  # untouched
     assert ratios(prometheus, RAW)[("node-a", "1")].ratio == pytest.approx(0.95)
@@ -175,8 +192,9 @@ def test_a_card_without_its_replica_terms_gives_no_result(exporter, agent, prome
     npu, lookback_s = short_lookback_preset(monkeypatch)
     exporter.set_card("node-bare", 0, RESERVED_MB, TOTAL_MB)  # no replica at all
     exporter.set_card("node-part", 0, RESERVED_MB, TOTAL_MB)
-    agent.set_card("node-part", 0, kv_free=IDLE["kv_free"])   # no allocator term yet
-    wait_for(lambda: (ratios(prometheus, RAW), scraped(prometheus, KV_FREE,
+    agent.set_card("node-part", 0, kv_pool=IDLE["kv_pool"],   # no allocator term yet
+                   total=TOTAL_MB * MiB)                      # (the runtime's card total)
+    wait_for(lambda: (ratios(prometheus, RAW), scraped(prometheus, KV_POOL_SERIES,
                                                        "node-part")),
              lambda r: {("node-bare", "0"), ("node-part", "0")} <= set(r[0]) and r[1],
              what="exporter and replica series scraped")
@@ -187,12 +205,12 @@ def test_a_card_without_its_replica_terms_gives_no_result(exporter, agent, prome
     got = wait_for(lambda: ratios(prometheus, npu), lambda r: ("node-part", "0") in r,
                    what="card with both replica terms")
     assert got[("node-part", "0")].ratio == pytest.approx(IDLE_LIVE, rel=1e-12)
-    agent.drop("node-part", 0, "kv_free")
+    agent.drop("node-part", 0, "kv_pool")
     t_drop = time.monotonic()
     # Ray-exported gauges are read through last_over_time (a missed report must not drop a card),
     # so the card leaves once its last KV sample is older than that lookback, and not before.
     wait_for(lambda: ratios(prometheus, npu), lambda r: ("node-part", "0") not in r,
-             timeout=WAIT_S + lookback_s, what="card gone with its KV term")
+             timeout=WAIT_S + lookback_s, what="card gone with its KV pool term")
     assert time.monotonic() - t_drop >= lookback_s - 1.5  # 1 s scrapes: its last sample's age
     assert ("node-bare", "0") not in ratios(prometheus, npu)
 
@@ -203,11 +221,11 @@ def test_old_exporter_timestamps_come_back_and_the_law_calls_them_stale(exporter
     # still returns the series for 5 minutes, so only the sample time reveals it.
     stamp = round(time.time() - 120, 3)
     exporter.set_card("node-old", 3, RESERVED_MB, TOTAL_MB, timestamp=stamp)
-    agent.set_card("node-old", 3, **FULL)  # fresh replica terms: a cut, were the reading fresh
+    agent.set_card("node-old", 3, **HOT, **RUNTIME)  # fresh replica terms: a cut, were the reading fresh
     got = wait_for(lambda: ratios(prometheus), lambda r: ("node-old", "3") in r,
                    what="old-stamped card")
     reading = got[("node-old", "3")]
-    assert reading.ratio == pytest.approx(FULL_LIVE, rel=1e-12) and reading.ratio >= PARAMS.high
+    assert reading.ratio == pytest.approx(HOT_LIVE, rel=1e-12) and reading.ratio >= PARAMS.high
     assert reading.sample_ts == pytest.approx(stamp, abs=0.002)
     ceiling = type("Ceiling", (), {"max_sequences": 64, "max_tokens": 65536})()
     state = step(PARAMS, ceiling, CardState.initial(ceiling), reading.ratio,
@@ -218,14 +236,14 @@ def test_old_exporter_timestamps_come_back_and_the_law_calls_them_stale(exporter
 
 def test_a_card_that_stops_reporting_disappears(exporter, agent, prometheus):
     exporter.set_card("node-gone", 0, RESERVED_MB, TOTAL_MB)
-    agent.set_card("node-gone", 0, **IDLE)
+    agent.set_card("node-gone", 0, **IDLE, **RUNTIME)
     wait_for(lambda: ratios(prometheus), lambda r: ("node-gone", "0") in r, what="card seen")
     exporter.remove("node-gone")
     # Prometheus writes a staleness marker on the next scrape: the governor sees "no series",
     # even though the replica still reports its terms.
     wait_for(lambda: ratios(prometheus), lambda r: ("node-gone", "0") not in r,
              what="card gone")
-    assert scraped(prometheus, KV_FREE, "node-gone")
+    assert scraped(prometheus, KV_POOL_SERIES, "node-gone")
 
 
 @pytest.fixture(scope="module")
@@ -252,12 +270,12 @@ def test_node_from_the_scrape_target_when_the_exporter_has_no_node_label(one_nod
     # which is the node name the replica on that host reports.
     exporter.set_card("exporter-name", 0, RESERVED_MB, TOTAL_MB)
     exporter.set_card("exporter-name", 7, RESERVED_MB, TOTAL_MB)
-    agent.set_card("127.0.0.1", 7, **FULL)  # chip 0's replica is not reporting
+    agent.set_card("127.0.0.1", 7, **HOT, **RUNTIME)  # chip 0's replica is not reporting
     by_instance = npu_exporter_query(node_label="instance")
     got = wait_for(lambda: ratios(prometheus, by_instance), lambda r: ("127.0.0.1", "7") in r,
                    what="card by instance")
     assert set(got) == {("127.0.0.1", "7")}
-    assert got[("127.0.0.1", "7")].ratio == pytest.approx(FULL_LIVE, rel=1e-12)
+    assert got[("127.0.0.1", "7")].ratio == pytest.approx(HOT_LIVE, rel=1e-12)
     assert time.time() - got[("127.0.0.1", "7")].sample_ts < 10
     assert ratios(prometheus) == {}  # the default node label joins no replica
 
@@ -273,11 +291,11 @@ def test_node_aliases_join_the_replica_node_name_inside_the_query(exporter, agen
     exporter.set_card("npu-host.7", 0, RESERVED_MB, TOTAL_MB)
     # A decoy a regex "." would also rename; its higher reading would then win the max.
     exporter.set_card("npu-hostx7", 0, TOTAL_MB, TOTAL_MB)
-    agent.set_card("10.0.0.7", 0, **FULL)  # the replica reports its node IP
+    agent.set_card("10.0.0.7", 0, **HOT, **RUNTIME)  # the replica reports its node IP
     aliased = npu_exporter_query(aliases={"npu-host.7": "10.0.0.7"})
     got = wait_for(lambda: ratios(prometheus, aliased), lambda r: ("10.0.0.7", "0") in r,
                    what="aliased card")
-    assert got[("10.0.0.7", "0")].ratio == pytest.approx(FULL_LIVE, rel=1e-12)
+    assert got[("10.0.0.7", "0")].ratio == pytest.approx(HOT_LIVE, rel=1e-12)
     assert not {("npu-host.7", "0"), ("npu-hostx7", "0")} & set(got)
     # Without the alias the exporter's name finds no replica terms: no result at all (renaming
     # after the query, as before, could not have found any).
@@ -361,13 +379,15 @@ def _promtool_test(tmp_path: Path, series: dict[str, str], checks: list[tuple[st
     return proc.stdout + proc.stderr
 
 
-def _replica(node: str, device: str | int, kv_free: int, cache_free: int, *,
+def _replica(node: str, device: str | int, kv_pool: int, cache_free: int, total_mib: int, *,
              job: str = "ray", worker: str = "w1") -> dict[str, str]:
-    """The two engine terms of one replica, as Ray exports them (bytes, three samples)."""
+    """The engine terms of one replica and its runtime's card total, as Ray exports them
+    (bytes, three samples)."""
     labels = (f'job="{job}", instance="{node}:46569", WorkerId="{worker}", '
               f'node="{node}", device="{device}"')
-    return {f"{KV_FREE}{{{labels}}}": f"{kv_free}x2",
-            f"{CACHE_FREE}{{{labels}}}": f"{cache_free}x2"}
+    return {f"{KV_POOL_SERIES}{{{labels}}}": f"{kv_pool}x2",
+            f"{CACHE_FREE}{{{labels}}}": f"{cache_free}x2",
+            f"{rules.MEM_TOTAL}{{{labels}}}": f"{total_mib * MiB}x2"}
 
 
 def test_dcgm_preset(tmp_path):
@@ -380,19 +400,21 @@ def test_dcgm_preset(tmp_path):
         f'DCGM_FI_DEV_FB_USED{{{gpu.format(g=1)}}}': "75000 _ _",  # stuck since t=0
         f'DCGM_FI_DEV_FB_FREE{{{gpu.format(g=1)}}}': "5000 _ _",
         # Replicas that report DCGM's host name as their node (ray start --node-name).
-        **_replica("gpu-host", 0, 8 * GiB, GiB),
-        **_replica("gpu-host", 1, 2 * GiB, 0),
+        # Card 0's runtime counts 1 GiB DCGM leaves out of used + free (what the driver
+        # reserves): the preset moves it to used (the runtime's scale).
+        **_replica("gpu-host", 0, 8 * GiB, GiB, 65536 + 1024),
+        **_replica("gpu-host", 1, 2 * GiB, 0, 80000),
         # Replicas that report the node IP: only card 0 has one; reached through the alias.
-        **_replica("10.0.0.9", 0, 0, 0),
+        **_replica("10.0.0.9", 0, 0, 0, 65536),
     }, [
         (q.ratio, [('{node="gpu-host", device="0"}',
-                    live_pressure(16384 * MiB, 65536 * MiB, 8 * GiB, GiB)),
+                    live_pressure((16384 + 1024) * MiB, (65536 + 1024) * MiB, 8 * GiB, GiB)),
                    ('{node="gpu-host", device="1"}',
                     live_pressure(75000 * MiB, 80000 * MiB, 2 * GiB, 0))]),
         (q.sample_time, [('{node="gpu-host", device="0"}', 120),
                          ('{node="gpu-host", device="1"}', 0)]),
-        # No KV pool free, no cache: the live ratio is the raw one; card 1 has no replica terms
-        # under 10.0.0.9, so no result.
+        # No KV pool, no cache, the same total: the ratio is the raw one; card 1 has no replica
+        # terms under 10.0.0.9, so no result.
         (aliased.ratio, [('{node="10.0.0.9", device="0"}', 0.25)]),
         (aliased.sample_time, [('{node="10.0.0.9", device="0"}', 120),
                                ('{node="10.0.0.9", device="1"}', 0)]),
@@ -417,17 +439,20 @@ def test_npu_preset_edge_cases(tmp_path):
         # Exporter series, but its replica's terms only come from another job: no result.
         npu.format("used", 3, "10.0.0.5", "a"): "30000x2",
         npu.format("total", 3, "10.0.0.5", "a"): "65536x2",
-        **_replica("10.0.0.5", 0, 3 * GiB, GiB // 4),
+        # Card 0's runtime reports 60.96 GiB (62,420 MiB) where npu-smi says 65,536 MB: the
+        # preset takes the 3,116 MiB npu-smi counts as used and the runtime never hands out
+        # off the exporter's used.
+        **_replica("10.0.0.5", 0, 3 * GiB, GiB // 4, 62420),
         # A restarted replica: the old worker's terms are lower; per card, the max is kept.
-        **_replica("10.0.0.5", 0, GiB, 0, worker="w0"),
-        **_replica("[fd00::7]", 1, 0, 0),
-        **_replica("[fd00::7]", 2, 20 * GiB, 3 * GiB),
-        **_replica("10.0.0.5", 3, GiB, GiB, job="other"),
+        **_replica("10.0.0.5", 0, GiB, 0, 62000, worker="w0"),
+        **_replica("[fd00::7]", 1, 0, 0, 0),
+        **_replica("[fd00::7]", 2, 20 * GiB, 3 * GiB, 65536),
+        **_replica("10.0.0.5", 3, GiB, GiB, 65536, job="other"),
     }
     _promtool_test(tmp_path, series, [
         (by_instance.ratio, [
             ('{node="10.0.0.5", device="0"}',
-             live_pressure(61000 * MiB, 65536 * MiB, 3 * GiB, GiB // 4)),
+             live_pressure((61000 - 3116) * MiB, 62420 * MiB, 3 * GiB, GiB // 4)),
             ('{node="[fd00::7]", device="2"}',
              live_pressure(30000 * MiB, 65536 * MiB, 20 * GiB, 3 * GiB))]),
         (by_instance.sample_time, [('{node="10.0.0.5", device="0"}', 120),
@@ -438,18 +463,18 @@ def test_npu_preset_edge_cases(tmp_path):
 
 
 def _live_points() -> list[tuple[int, int, int, int]]:
-    """(used, total, kv_free, cache_free) in bytes: the cases that matter, then random ones."""
+    """(used, total, kv_pool, cache_free) in bytes: the cases that matter, then random ones."""
     total = 64 * GiB
     reserved = int(0.95 * total)
     points = [
-        (reserved, total, KV_POOL, int(4.5 * GiB)),   # 910B idle at 0.95 reservation
-        (reserved, total, KV_POOL // 50, GiB // 2),   # 910B with a full KV pool
-        (40 * GiB, total, 0, 3 * GiB),                # kv_free = 0, allocator cache > 0
+        (reserved, total, KV_POOL, 8 * GiB),          # idle at the 0.95 reservation
+        (reserved, total, KV_POOL, int(0.4 * GiB)),   # a step holding the allocator's cache
+        (40 * GiB, total, 0, 3 * GiB),                # no pool, allocator cache > 0
         (40 * GiB, total, 0, 0),                      # both 0: the raw ratio
-        (10 * GiB, total, 8 * GiB, 4 * GiB),          # cache + kv > used: clamped at 0
+        (10 * GiB, total, 8 * GiB, 4 * GiB),          # cache + pool > used: clamped at 0
         (total, total, 0, 0),                         # a card exactly full
-        (20 * GiB, 16 * GiB, 16 * GiB, 0),            # kv_free = total: no capacity, no result
-        (20 * GiB, 16 * GiB, 17 * GiB, 0),            # kv_free > total: no result
+        (20 * GiB, 16 * GiB, 16 * GiB, 0),            # pool = total: no capacity, no result
+        (20 * GiB, 16 * GiB, 17 * GiB, 0),            # pool > total: no result
     ]
     rng = random.Random(910)
     for _ in range(10):
@@ -472,13 +497,13 @@ def test_promql_live_ratio_equals_live_pressure(tmp_path):
     series: dict[str, str] = {}
     for i, (u, t, k, c) in enumerate(points):
         labels = f'job="ray", WorkerId="w{i}", node="n{i}", device="{i % 8}"'
-        for name, value in ((used, u), (total, t), (KV_FREE, k),
+        for name, value in ((used, u), (total, t), (KV_POOL_SERIES, k),
                             (CACHE_FREE, c)):
             series[f"{name}{{{labels}}}"] = f"{value}x2"
     # Replicas that miss a term give no result, whatever their device reading.
-    for j, missing in enumerate((KV_FREE, CACHE_FREE)):
+    for j, missing in enumerate((KV_POOL_SERIES, CACHE_FREE)):
         labels = f'job="ray", node="missing-{j}", device="0"'
-        for name in (used, total, KV_FREE, CACHE_FREE):
+        for name in (used, total, KV_POOL_SERIES, CACHE_FREE):
             if name != missing:
                 series[f"{name}{{{labels}}}"] = f"{GiB}x2"
     exp = [(f'{{node="n{i}", device="{i % 8}"}}', e)
@@ -563,11 +588,14 @@ def _samples(text: str) -> dict[str, dict[tuple[str, str], tuple[dict[str, str],
 def test_standin_ray_agent_serves_the_replica_terms_as_ray_exports_them():
     # The names are the replica's gauges after Ray's export, and the ones the queries read.
     assert (SERIES["used"], SERIES["total"]) == (rules.MEM_USED, rules.MEM_TOTAL)
+    KV_FREE = SERIES["kv_free"]
+    assert KV_POOL_SERIES == "ray_embedfleet_kv_cache_pool_bytes"
     assert KV_FREE == "ray_embedfleet_kv_cache_free_bytes"
     assert CACHE_FREE == "ray_embedfleet_allocator_cache_free_bytes"
     expr = queries.live_ratio("u", "t")
-    assert f"max by (node, device) ({queries.ray_gauge(KV_FREE)})" in expr
+    assert f"max by (node, device) ({queries.ray_gauge(KV_POOL_SERIES)})" in expr
     assert f"max by (node, device) ({queries.ray_gauge(CACHE_FREE)})" in expr
+    assert KV_FREE not in expr  # the pool's fill is not pressure
     with StandinRayAgent() as ag, httpx.Client(base_url=ag.url, timeout=5) as c:
         assert c.post("/set", json={"node": "10.0.0.1", "device": 2, "used": 60e9,
                                     "total": 64e9, "kv_free": 30e9}).is_success
@@ -585,7 +613,7 @@ def test_standin_ray_agent_serves_the_replica_terms_as_ray_exports_them():
         assert ("10.0.0.1", "2") not in got[CACHE_FREE]
         assert ("10.0.0.1", "3") not in got[rules.MEM_USED]
         help_lines = [ln for ln in text.splitlines() if ln.startswith("# HELP")]
-        assert len(help_lines) == 5 and all("STAND-IN" in ln for ln in help_lines)
+        assert len(help_lines) == 6 and all("STAND-IN" in ln for ln in help_lines)
         assert 'standin_ray_agent_info{warning="STAND-IN' in text
         # Setting one term keeps the others; dropping one term leaves the rest.
         assert c.post("/set", json={"node": "10.0.0.1", "device": 2,

@@ -53,21 +53,28 @@ def test_lint_catches_breakage(dash, breakage, expected):
 
 
 def test_card_memory_panel_draws_the_governor_thresholds(dash):
-    panel = _panel(dash, "Card memory: live pressure")
+    panel = _panel(dash, "Card memory: pressure outside the KV pool")
     assert panel["targets"][0]["expr"] == queries.CARD_MEMORY_RATIO
-    # The governor's signal is live pressure, and the panel says so (and why not raw).
-    assert "live memory pressure" in panel["description"]
-    assert "Not raw used/total" in panel["description"]
-    # Beside the recorded ratio: the replica's own reading and what the governor read.
+    # The governor's signal is pressure outside the KV pool, and the panel says so (and why
+    # neither raw used/total nor the pool's fill).
+    assert "(used − KV pool − allocator cache free) / (total − KV pool)" in panel["description"]
+    assert "filling it allocates nothing" in panel["description"]
+    assert "raw used/total" in panel["description"]
+    # Beside the recorded ratio: the replica's own reading, what the governor read, and the
+    # governor's band per card (a card profile sets it per model).
     exprs = [tgt["expr"] for tgt in panel["targets"]]
-    assert any("ray_embedfleet_card_memory_live_ratio{" in e for e in exprs), exprs
-    assert any("ray_embedfleet_governor_memory_ratio{" in e for e in exprs), exprs
+    for name in ("card_memory_live_ratio", "governor_memory_ratio", "governor_high",
+                 "governor_low"):
+        assert any(f"ray_embedfleet_{name}{{" in e for e in exprs), (name, exprs)
     defaults = panel["fieldConfig"]["defaults"]
     assert defaults["custom"]["thresholdsStyle"]["mode"] == "line"
     steps = {s["value"]: s["color"] for s in defaults["thresholds"]["steps"]}
     assert steps[thresholds.CARD_MEMORY_HIGH] == "red"
     assert steps[thresholds.CARD_MEMORY_LOW] == "orange"
     assert "{{node}}/{{device}}" in panel["targets"][0]["legendFormat"]  # one line per card
+    counters = " ".join(t["expr"] for t in _panel(dash, "Allocator retries and OOMs")["targets"])
+    assert "ray_embedfleet_allocator_alloc_retries{" in counters
+    assert "ray_embedfleet_allocator_ooms{" in counters
 
 
 def test_dashboard_covers_the_embedding_views(dash):

@@ -117,7 +117,12 @@ def test_governor_and_alert_read_the_same_memory_rule(alerts):
     """Design point 7: one PromQL definition of card memory ratio, at one threshold."""
     rule = next(r for g in alerts["groups"] for r in g["rules"]
                 if r["alert"] == "EmbedfleetCardMemoryHigh")
-    assert rule["expr"] == f"{queries.CARD_MEMORY_RATIO} >= {thresholds.CARD_MEMORY_HIGH}"
+    # The recorded ratio against the governor's own threshold per card (a card profile sets
+    # it per model), the shared default where the governor reports none.
+    assert rule["expr"] == (
+        f"{queries.CARD_MEMORY_RATIO}\n>= on (node, device) (\n"
+        f"  {queries.per_card(queries.ray_gauge('ray_embedfleet_governor_high'))}\n"
+        f"  or\n  0 * {queries.CARD_MEMORY_RATIO} + {thresholds.CARD_MEMORY_HIGH}\n)")
     assert rule["for"] == thresholds.CARD_MEMORY_HIGH_FOR
 
 

@@ -46,14 +46,14 @@ def test_rule_unit_tests_pass(promtool):
 
 
 def test_unit_tests_catch_a_wrong_threshold(promtool, tmp_path):
-    """Mutation check: `>= 0.9` turned into `> 0.9` must fail the boundary case (card at 0.90)."""
+    """Mutation check: `>=` turned into `>` must fail the boundary case (card at 0.90)."""
     (tmp_path / "rules").mkdir()
     for name in config.RULE_FILES:
         text = (config.RULES_DIR / name).read_text()
         if name == "embedfleet-alerts.yml":
-            assert "card:embedfleet_memory:ratio >= 0.9" in text
-            text = text.replace("card:embedfleet_memory:ratio >= 0.9",
-                                "card:embedfleet_memory:ratio > 0.9")
+            assert "card:embedfleet_memory:ratio\n      >= on (node, device)" in text
+            text = text.replace("card:embedfleet_memory:ratio\n      >= on (node, device)",
+                                "card:embedfleet_memory:ratio\n      > on (node, device)")
         (tmp_path / "rules" / name).write_text(text)
     (tmp_path / "tests").mkdir()
     shutil.copy(PROM_DIR / "tests" / "alerts_test.yml", tmp_path / "tests")

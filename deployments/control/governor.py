@@ -20,6 +20,10 @@ the node IP unless ``ray start --node-name`` set one) and ``device`` the card id
 * ``dcgm``: ``device`` from ``gpu``; the node defaults to DCGM's ``Hostname`` label, which is a
   host *name*: map names to IPs with ``node_aliases`` or use ``node_label: instance``.
 
+Each model's cards get the band of its card profile (``governor_config.card_profiles``, or what
+``embedfleet calibrate`` wrote under the state directory), read once at start; replicas send their
+model and their allocator's counters with each pull, and a rise cuts at once (``hard_cut``).
+
 Metrics go through a ``MetricsSink`` (Ray gauges by default) so tests can see what is exported
 and a metrics failure can never stop the control loop.
 """
@@ -38,7 +42,10 @@ from embedfleet.deployments.config import EmbedfleetConfig, parse_config
 from embedfleet.deployments.contracts import Ceiling, Limits
 from embedfleet.deployments.control.durable import DurableStore
 from embedfleet.deployments.control.governor_config import GovernorConfig
-from embedfleet.deployments.control.governor_law import CardState, hold_stale, step
+from embedfleet.deployments.control.governor_law import (CardReport, CardState, GovernorParams,
+                                                          hard_cut, hold_stale,
+                                                          params_for_profile, step)
+from embedfleet.deployments.engine.card_profile import CardProfile, resolve_profile
 from embedfleet.deployments.control.memory_queries import (CardKey, CardReading,
                                                            PrometheusQueryError,
                                                            PrometheusUnavailable,
@@ -81,6 +88,8 @@ class _Card:
     ceiling: Ceiling
     state: CardState
     last_pull: float
+    model: str | None = None
+    report: CardReport | None = None
 
 
 def _store_key(key: CardKey) -> str:
@@ -122,6 +131,9 @@ class MemoryGovernor:
         self._store = store if store is not None or not autostart else DurableStore.connected(
             self.cfg.app_name)
         self._saved: dict[str, CardState] = self._load_saved()
+        self.profiles: dict[str, tuple[CardProfile, str]] = {
+            m.name: found for m in self.cfg.models
+            if (found := self._load_profile(m.name)) is not None}
         self._ensure_started()
         logger.info("memory governor: %s preset at %s every %g s (high %g, low %g)",
                     self._query.name, self.settings.prometheus_url, self.settings.interval_s,
@@ -190,9 +202,9 @@ class MemoryGovernor:
         now = self._clock() if now is None else now
         self._note_prometheus(why or None)
 
-        params = self.settings.params
         states: dict[CardKey, CardState] = {}
         for key, card in list(self._cards.items()):
+            params = self.params_for(card.model)
             prev = card.state
             if readings is None:
                 new = hold_stale(params, card.ceiling, prev, why[:300])
@@ -244,8 +256,36 @@ class MemoryGovernor:
         if ratio is not None:
             self._sink.set_gauge("embedfleet_governor_memory_ratio", ratio, tags)
         limits = self._effective(card)
+        params = self.params_for(card.model)
+        self._sink.set_gauge("embedfleet_governor_high", params.high, tags)
+        self._sink.set_gauge("embedfleet_governor_low", params.low, tags)
         self._sink.set_gauge("embedfleet_governor_limit_tokens", limits.max_tokens, tags)
         self._sink.set_gauge("embedfleet_governor_limit_sequences", limits.max_sequences, tags)
+
+    # -- card profiles ---------------------------------------------------------------------------
+    def _load_profile(self, model: str) -> tuple[CardProfile, str] | None:
+        """The model's profile and where it came from; None (the configured band) when there
+        is none or it cannot be used (said in the log)."""
+        try:
+            found = resolve_profile(self.cfg.app_name, model, self.cfg.platform.kind,
+                                    self.settings.card_profiles.get(model))
+        except ValueError as exc:
+            logger.error("model %s: %s; its cards use the configured band", model, exc)
+            return None
+        if found is None:
+            return None
+        profile, path = found
+        p = params_for_profile(self.settings.params, profile)
+        logger.info("model %s: card profile %s (%s, %s): band low %.4f / high %.4f; idle %.4f, "
+                    "operating point %.4f%s", model, path, profile.source,
+                    profile.measured_at.isoformat(), p.low, p.high, profile.idle_ratio,
+                    profile.operating_point_ratio,
+                    "" if profile.fits else "; the worst step does NOT leave the safety margin")
+        return profile, str(path)
+
+    def params_for(self, model: str | None) -> GovernorParams:
+        found = self.profiles.get(model) if model is not None else None
+        return params_for_profile(self.settings.params, found[0] if found else None)
 
     # -- durable state ---------------------------------------------------------------------------
     def _load_saved(self) -> dict[str, CardState]:
@@ -275,9 +315,11 @@ class MemoryGovernor:
                       stale=lim.stale, reason=lim.reason,
                       ratio=_finite_or_none(card.state.ratio), action=card.state.action)
 
-    async def limits_for(self, node: str, device: str, ceiling: Ceiling) -> Limits:
+    async def limits_for(self, node: str, device: str, ceiling: Ceiling,
+                         report: CardReport | dict[str, Any] | None = None) -> Limits:
         """The card's current limits. The first call registers the card at its ``ceiling``;
-        later calls update the ceiling if it changed."""
+        later calls update the ceiling if it changed. ``report`` (the replica's model and
+        allocator counters): a rise since the last report cuts at once (``hard_cut``)."""
         self._ensure_started()
         key: CardKey = (str(node), str(device))
         ceil = Ceiling.model_validate(ceiling)
@@ -301,14 +343,32 @@ class MemoryGovernor:
                             ceil.max_sequences, ceil.max_tokens)
                 card.ceiling = ceil
             card.last_pull = self._clock()
+        if report is not None:
+            self._take_report(key, card, CardReport.model_validate(report))
         return self._effective(card)
+
+    def _take_report(self, key: CardKey, card: _Card, report: CardReport) -> None:
+        card.model = report.model or card.model
+        retries, ooms, engine_ooms = report.rise_since(card.report)
+        card.report = report
+        if retries or ooms or engine_ooms:
+            card.state = hard_cut(self.params_for(card.model), card.ceiling, card.state,
+                                  retries=retries, ooms=ooms, engine_ooms=engine_ooms,
+                                  now=self._clock())
+            self._log_change(key, card.state)
+            self._save(key, card.state)
+            self._publish_card(key, card)
 
     async def snapshot(self) -> dict[str, Any]:
         """Governor state for ``embedfleet status``: settings, Prometheus health, every card."""
         self._ensure_started()
         cards = []
         for (node, device), card in sorted(self._cards.items()):
-            cards.append({"node": node, "device": device,
+            params = self.params_for(card.model)
+            profile = self.profiles.get(card.model) if card.model else None
+            cards.append({"node": node, "device": device, "model": card.model,
+                          "high": params.high, "low": params.low,
+                          "profile": None if profile is None else profile[1],
                           "ceiling": card.ceiling.model_dump(),
                           **self._effective(card).model_dump(),
                           "sample_ts": card.state.sample_ts, "last_pull_at": card.last_pull})

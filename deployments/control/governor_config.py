@@ -40,6 +40,15 @@ class GovernorConfig(BaseModel):
     """A card whose replica has not pulled limits for this long is dropped: its memory series
     disappears with the replica, and keeping it would report "stale" forever."""
     params: GovernorParams = GovernorParams()
+    card_profiles: dict[str, str] = Field(
+        default_factory=dict,
+        description="Model name -> its card profile (deployments/engine/card_profile.py): a "
+        "file path, or the name of a profile shipped in deployments/configs/profiles. A model "
+        "not named here uses the profile `embedfleet calibrate` wrote for it under the state "
+        "directory, if any. A model's profile sets its cards' band: cut where only the "
+        "profile's safety margin is left, grow back at its planned operating point, because "
+        "where a card's ratio sits at its plan depends on the card, engine and model; without "
+        "one, params.high and params.low apply.")
 
     @model_validator(mode="after")
     def _check(self) -> GovernorConfig:

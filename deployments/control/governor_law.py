@@ -15,6 +15,18 @@ The law, per card (node, device):
 * in between → hold (the dead band stops oscillation around one threshold).
 * no series, NaN, negative/infinite ratio, or a sample older than ``stale_after_s`` → hold the
   last limits and mark them stale; the reason says which. Serving goes on with the last budget.
+* hard triggers (``hard_cut``): a rise in the allocator's ``num_alloc_retries`` or ``num_ooms``,
+  or an engine that ran out of memory in a step, cuts at once, whatever the ratio says, stale or
+  not, cooldown or not: the card *was* full, which no ratio can contradict. The replica reports
+  its counters with each limit pull (``CardReport``), so a cut needs neither Prometheus nor the
+  next scrape.
+
+The ratio is memory outside the KV pool (``card_memory``): a full pool alone is not pressure.
+Where to cut and where to grow back depends on the card, the engine and the model, so a card
+profile (``card_profile``, written by ``embedfleet calibrate``) sets the band when the governor
+has one for the model (``params_for_profile``): ``high`` where only the profile's safety margin
+is left, ``low`` at the planned operating point (the worst step the config allows), so a card
+running its plan is never cut and a card past it is.
 
 Floor and step are fractions of each card's ceiling, because one governor serves every model and
 ceilings differ by orders of magnitude (a 32K-token Qwen3-8B card vs a MiniLM card); a fraction
@@ -28,6 +40,8 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from embedfleet.deployments.engine.card_memory import AllocatorCounters
+from embedfleet.deployments.engine.card_profile import CardProfile
 from embedfleet.monitoring import thresholds
 
 Action = Literal["start", "decrease", "increase", "hold", "stale"]
@@ -259,3 +273,64 @@ def step(params: GovernorParams, ceiling: Budget, previous: CardState, ratio: fl
     return _decide(previous, seq=seq, tok=tok, stale=False, action="hold",
                    reason=f"{seen} between low {_fmt(params.low)} and high {_fmt(params.high)}: "
                           f"holding {_budget(seq, tok)}", **common)
+
+
+# -- hard triggers -----------------------------------------------------------------------------
+class CardReport(BaseModel):
+    """What a replica sends with each limit pull: its model (whose profile sets the band) and
+    its engine's failure counters (cumulative, so a lost pull loses nothing)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = None
+    allocator: AllocatorCounters = AllocatorCounters()
+    """The engine's allocator counters (they start again with a new engine)."""
+    engine_ooms: int = Field(0, ge=0)
+    """Engine calls that failed in a step on this replica since it started (the replica's own
+    count: the engine that failed is gone)."""
+
+    def rise_since(self, before: CardReport | None) -> tuple[int, int, int]:
+        """(allocator retries, allocator OOMs, engine OOMs) added since ``before``."""
+        retries, ooms = self.allocator.rise_since(before.allocator if before else None)
+        engine = 0 if before is None else max(0, self.engine_ooms - before.engine_ooms)
+        return retries, ooms, engine
+
+
+def hard_cut(params: GovernorParams, ceiling: Budget, previous: CardState, *, retries: int,
+             ooms: int, engine_ooms: int, now: float) -> CardState:
+    """Cut at once for allocator retries/OOMs or an engine OOM (no cooldown, no ratio)."""
+    seq, tok = _clamped(params, ceiling, previous)
+    f_seq, f_tok = floor_of(params, ceiling)
+    what = ", ".join(f"{n} {name}" for n, name in ((retries, "allocator retries"),
+                                                    (ooms, "allocator OOMs"),
+                                                    (engine_ooms, "engine OOMs in a step"))
+                     if n)
+    seen = "memory" if previous.ratio is None else f"memory {_fmt(previous.ratio)}"
+    head = f"{seen}: {what} since the last pull"
+    common = dict(ratio=previous.ratio, sample_ts=previous.sample_ts)
+    if (seq, tok) == (f_seq, f_tok):
+        return _decide(previous, seq=seq, tok=tok, stale=previous.stale, action="hold",
+                       reason=f"{head}, already at floor {_budget(seq, tok)}",
+                       last_decrease_ts=previous.last_decrease_ts, **common)
+    new_seq = max(f_seq, math.floor(seq * params.decrease_factor))
+    new_tok = max(f_tok, math.floor(tok * params.decrease_factor))
+    return _decide(previous, seq=new_seq, tok=new_tok, stale=previous.stale, action="decrease",
+                   reason=f"{head}: cut ×{_fmt(params.decrease_factor)} "
+                          f"{_budget(seq, tok)} → {_budget(new_seq, new_tok)}",
+                   last_decrease_ts=now, **common)
+
+
+# -- the band from a card profile --------------------------------------------------------------
+MIN_BAND = 0.02
+"""The narrowest dead band a profile may leave: wider than one reading's noise (a step's size
+moves the ratio by more than this only when the band would not hold anyway)."""
+
+
+def params_for_profile(params: GovernorParams, profile: CardProfile | None) -> GovernorParams:
+    """The law's band for a card of this profile: cut where only the safety margin is left,
+    grow back at or below the planned operating point. Without a profile, ``params``."""
+    if profile is None:
+        return params
+    high = min(1.0, profile.safe_ratio)
+    low = max(0.0, min(profile.operating_point_ratio, high - MIN_BAND))
+    return params.model_copy(update={"high": high, "low": low})

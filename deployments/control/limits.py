@@ -6,7 +6,9 @@ Per tick:
    What is exported is the highest reading of the last ``peak_window_s``
    (``governor.peak_window_s``): Ray's metrics agent reports every ~10 s and Prometheus scrapes
    every 5 s, so a one-interval spike must outlive both to be seen;
-2. pull this card's limits from the MemoryGovernor and apply them to the admission budget.
+2. pull this card's limits from the MemoryGovernor and apply them to the admission budget. The
+   pull carries a ``CardReport``: the model, the engine allocator's retry and OOM counters and
+   the engine OOMs this replica saw in a step (``engine_oom``); a rise cuts at once.
 
 A failed read or pull keeps the last limits (the governor may be restarting; the engine may be
 being swapped): serving never waits on the control loop.
@@ -32,7 +34,10 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from embedfleet.deployments.contracts import Ceiling, Limits
-from embedfleet.deployments.engine.card_memory import CardMemoryReading, CpuCardModel, reading_from_probe
+from embedfleet.deployments.control.governor_law import CardReport
+from embedfleet.deployments.engine.card_memory import (AllocatorCounters, CardMemoryReading,
+                                                       CpuCardModel, reading_from_probe,
+                                                       total_mismatch)
 from embedfleet.deployments.engine.vllm_engine import EmbeddingEngine
 from embedfleet.deployments.engine.gate import EngineGate
 
@@ -57,12 +62,13 @@ class Sink(Protocol):
 class LimitsFollower:
     def __init__(self, *, gate: EngineGate[EmbeddingEngine], budget: Budget,
                  card_tags: dict[str, str], ceiling: Ceiling,
-                 pull_limits: Callable[[], Awaitable[Limits]] | None,
+                 pull_limits: Callable[[CardReport], Awaitable[Limits]] | None,
                  interval_s: float, sink: Sink, cpu_card: CpuCardModel | None,
                  peak_window_s: float = 15.0, idle: Callable[[], bool] = lambda: False,
                  last_activity: Callable[[], float] | None = None,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, model: str | None = None,
+                 configured_total_bytes: int | None = None) -> None:
         self._gate = gate
         self._budget = budget
         self._tags = card_tags  # {"node": ..., "device": ...}
@@ -84,6 +90,11 @@ class LimitsFollower:
         self.reading: CardMemoryReading | None = None
         self.idle_ratio: float | None = None
         """The signal's first reading, taken before any request: the card's idle floor."""
+        self.model = model
+        self._configured_total = configured_total_bytes  # cross-checks the runtime's total
+        self.allocator = AllocatorCounters()
+        """The current engine's allocator counters, as last read."""
+        self.engine_ooms = 0
 
     async def read_card(self, fresh: bool = False) -> CardMemoryReading | None:
         """The card's reading; probed unless an idle card's last probe still holds. ``fresh``:
@@ -102,8 +113,11 @@ class LimitsFollower:
             reading = reading_from_probe(mem.probe, mem.kv.pool_bytes, mem.kv.peak_usage,
                                          self._cpu_card)
             self._probed = (time.monotonic(), engine, reading)
+            self.allocator = reading.allocator
         if self.idle_ratio is None:
             self.idle_ratio = reading.ratio
+            if (why := total_mismatch(reading.total_bytes, self._configured_total)) is not None:
+                logger.warning("card %s/%s: %s", self._tags["node"], self._tags["device"], why)
         now = self._clock()
         self._recent.append((now, reading))
         while self._recent[0][0] < now - self._peak_window_s:
@@ -129,14 +143,27 @@ class LimitsFollower:
                             ("embedfleet_kv_cache_usage_peak", r.kv_peak_usage),
                             ("embedfleet_kv_cache_free_bytes", r.kv_free_bytes),
                             ("embedfleet_allocator_cache_free_bytes", r.cache_free_bytes),
+                            ("embedfleet_allocator_alloc_retries",
+                             self.allocator.num_alloc_retries),
+                            ("embedfleet_allocator_ooms", self.allocator.num_ooms),
                             ("embedfleet_card_memory_live_ratio", r.ratio)):
             self._sink.set_gauge(name, value, self._tags)
+
+    def report(self) -> CardReport:
+        return CardReport(model=self.model, allocator=self.allocator,
+                          engine_ooms=self.engine_ooms)
+
+    def engine_oom(self) -> None:
+        """An engine call failed in a step (its engine is gone): the next pull reports it, and
+        the governor cuts this card at once. Counted here because the engine's own counters
+        went with it."""
+        self.engine_ooms += 1
 
     async def follow(self) -> None:
         if self._pull is None:
             return
         try:
-            limits = await self._pull()
+            limits = await self._pull(self.report())
         except Exception as exc:  # governor restarting: keep the last limits
             logger.warning("cannot pull limits from MemoryGovernor: %r", exc)
             return

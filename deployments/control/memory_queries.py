@@ -4,10 +4,19 @@ Why presets: the governor reads card memory through one PromQL query for all car
 the device's used and total come from depends on the site — embedfleet's own replica metrics
 (every platform), Huawei's npu-exporter on Ascend nodes, or NVIDIA's DCGM exporter. Every preset
 returns the same shape, one series per card labelled ``node`` and ``device`` whose value is the
-*live* ratio (``embedfleet.monitoring.queries.live_ratio``): device used minus the free part of the engine's
-KV pool and the allocator's idle cache, over the card minus the free KV pool. The two engine
-terms always come from the replicas (vLLM's scheduler statistics and the worker's allocator), so
-a raw exporter reading, saturated by vLLM's reservation, never reaches the governor.
+pressure outside the KV pool (``embedfleet.monitoring.queries.live_ratio``): device used minus the
+engine's KV pool and the allocator's releasable cache, over the card minus the KV pool. The two
+engine terms always come from the replicas (vLLM's pool size and the worker's allocator), so a
+raw exporter reading, saturated by vLLM's reservation, never reaches the governor.
+
+Scales. The card's total is the runtime's (``mem_get_info``, exported by the replica), because
+that is what vLLM plans with; exporters count differently: npu-smi reports a 64 GB 910B as 65,536
+MB with ~3 GB "used" at idle, memory the runtime never hands out (it reports ~60.96 GiB: vllm-ascend
+#4404); DCGM's used + free leaves out what the driver reserves. The exporter presets therefore put
+the exporter's used on the runtime's scale by the difference of the two totals (exporter total −
+runtime total: the part one counts and the other does not), every evaluation, which is the idle
+offset without needing an idle moment. On Ascend the default stays the ``embedfleet`` preset: the
+replica's own runtime reading, in the engine's own terms.
 
 Each preset is two queries: ``ratio``, and ``sample_time`` — the timestamp of the sample the ratio
 came from. An instant query stamps every result with the *evaluation* time, which would hide a
@@ -24,7 +33,10 @@ from typing import Literal, NamedTuple, get_args
 
 import httpx
 
-from embedfleet.monitoring.queries import CARD_MEMORY_RATIO, live_ratio, per_card
+from embedfleet.monitoring.queries import CARD_MEMORY_RATIO, live_ratio, per_card, ray_gauge
+
+#: The card's total as the engine's runtime reports it (``mem_get_info``), exported by replicas.
+RUNTIME_TOTAL = "ray_embedfleet_card_memory_total_bytes"
 
 # --- the presets ------------------------------------------------------------------------------
 
@@ -70,7 +82,9 @@ def _with_card_labels(expr: str, node_label: str, device_label: str,
 
 def exporter_query(name: str, used: str, total: str, *, unit_bytes: int, node_label: str,
                    device_label: str, aliases: dict[str, str] | None = None) -> CardMemoryQuery:
-    """A preset over an exporter's used and total gauges (same unit, same label sets).
+    """A preset over an exporter's used and total gauges (same unit, same label sets), put on
+    the runtime's scale (module docstring): used − (exporter total − runtime total), over the
+    runtime's total.
 
     Several series per card (two Prometheus jobs scraping one exporter, pod labels): the highest
     reading and the oldest sample are the cautious ones."""
@@ -78,8 +92,11 @@ def exporter_query(name: str, used: str, total: str, *, unit_bytes: int, node_la
         return per_card(_with_card_labels(f"{expr} * {unit_bytes}", node_label, device_label,
                                           aliases))
 
+    runtime_total = per_card(ray_gauge(RUNTIME_TOTAL))
+    on_runtime_scale = (f"{as_bytes(used)}\n  - on (node, device) ({as_bytes(total)} "
+                        f"- on (node, device) {runtime_total})")
     when = _with_card_labels(f"timestamp({used})", node_label, device_label, aliases)
-    return CardMemoryQuery(name=name, ratio=live_ratio(as_bytes(used), as_bytes(total)),
+    return CardMemoryQuery(name=name, ratio=live_ratio(on_runtime_scale, runtime_total),
                            sample_time=f"min by (node, device) ({when})")
 
 

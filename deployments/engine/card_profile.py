@@ -28,7 +28,11 @@ from typing import Literal
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt,
                       model_validator)
 
+from embedfleet.deployments.engine.card_memory import AllocatorCounters  # one definition
 from embedfleet.deployments.settings import settings
+
+__all__ = ["AllocatorCounters", "CardProfile", "WorstStep", "default_profile_path",
+           "load_profile", "resolve_profile", "save_profile", "shipped_profile_path"]
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "configs" / "profiles"
 SCHEMA_VERSION = 1
@@ -41,17 +45,6 @@ NUMBERS = ("card_total_bytes", "kv_pool_bytes", "weights_bytes", "idle_outside_p
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class AllocatorCounters(_Strict):
-    """The caching allocator's failure counters over the worst step (deltas, not totals):
-    ``torch.npu/torch.cuda.memory_stats()``, or the CPU card stand-in's own."""
-
-    num_alloc_retries: NonNegativeInt = Field(
-        description="Allocations that succeeded only after the allocator freed its cache and "
-                    "retried: the card was full at that moment (fragmentation or real demand).")
-    num_ooms: NonNegativeInt = Field(
-        description="Allocations that failed even after the retry: out of memory.")
 
 
 class WorstStep(_Strict):
@@ -199,3 +192,26 @@ def save_profile(profile: CardProfile, path: str | Path) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return p
+
+
+def resolve_profile(app_name: str, model: str, platform: str,
+                    named: str | None = None) -> tuple[CardProfile, Path] | None:
+    """The profile for ``model``: ``named`` (a path, or a shipped profile's name), else the one
+    ``calibrate`` wrote for this app and model, else None. Raises ``ValueError`` for a profile
+    that cannot be read or describes another model or platform."""
+    if named is None:
+        path = default_profile_path(app_name, model)
+        if not path.exists():
+            return None
+    else:
+        path = Path(named).expanduser()
+        if not path.exists() and "/" not in named:
+            path = shipped_profile_path(named)
+    try:
+        profile = load_profile(path)
+    except OSError as e:
+        raise ValueError(f"cannot read card profile {path}: {e}") from e
+    if profile.model != model or profile.platform != platform:
+        raise ValueError(f"card profile {path} is for {profile.model} on {profile.platform}, "
+                         f"not {model} on {platform}")
+    return profile, path

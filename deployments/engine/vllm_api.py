@@ -255,7 +255,8 @@ class MemoryProbeExtension:
     * NPU / CUDA: the driver's used and total (``mem_get_info``: every allocation on the card,
       other processes included), the caching allocator's reserved bytes and its *peak* allocated
       bytes since the last probe (then reset), so a long prefill's spike is seen and memory the
-      allocator merely caches is not taken for work.
+      allocator merely caches is not taken for work; its fragmentation peak and its cumulative
+      retry and OOM counters (the governor's hard triggers).
     * CPU: the worker's resident memory now and its peak since the last probe (``VmHWM``, reset
       through ``/proc/self/clear_refs``), and the weights' bytes. glibc keeps freed activation
       memory resident (measured here: +260 MB after a MiniLM burst, for good), the CPU's caching
@@ -275,7 +276,12 @@ class MemoryProbeExtension:
             acc.reset_peak_memory_stats()
             return {"kind": 1, "used": int(total - free), "total": int(total),
                     "reserved": int(stats.get("reserved_bytes.all.current", 0)),
+                    "reserved_peak": int(stats.get("reserved_bytes.all.peak", 0)),
                     "peak_allocated": int(stats.get("allocated_bytes.all.peak", 0)),
+                    # free pieces of segments that hold tensors: fragmentation (card_memory)
+                    "inactive_split_peak": int(stats.get("inactive_split_bytes.all.peak", 0)),
+                    "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+                    "num_ooms": int(stats.get("num_ooms", 0)),
                     "weights": int(weights)}
         if idle:
             _malloc_trim()

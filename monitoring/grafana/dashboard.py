@@ -186,18 +186,19 @@ SECTIONS: list[tuple[str, list[dict]]] = [
                [(_sum_rate("chunks_total"), "{{model}}")], unit="short", width=12),
     ]),
     ("Card memory and governor", [
-        _panel("timeseries", "Card memory: live pressure",
-               "The governor's signal per card (card:embedfleet_memory:ratio): live memory "
-               "pressure = (used − KV pool free − allocator cache free) / "
-               "(total − KV pool free). "
-               "Not raw used/total: vLLM reserves gpu_memory_utilization of the card at start-up "
-               "(0.95 on the 910B), so raw reads ~0.95 even at idle; the free part of that KV "
-               "pool is neither pressure nor room. Also the replica's own reading and what the "
-               f"governor last read. The governor cuts budgets at {t.CARD_MEMORY_HIGH:.2f} "
-               f"(red line) and grows them at {t.CARD_MEMORY_LOW:.2f} (orange).",
+        _panel("timeseries", "Card memory: pressure outside the KV pool",
+               "The governor's signal per card (card:embedfleet_memory:ratio) = (used − KV pool "
+               "− allocator cache free) / (total − KV pool), total as the runtime reports it. "
+               "vLLM preallocates the KV pool, so filling it allocates nothing and is not "
+               "pressure (its use is the KV pool panel); raw used/total reads ~0.95 even at "
+               "idle on the 910B. Also the replica's own reading, what the governor last read "
+               "and the governor's band per card (its model's card profile, else the config: "
+               f"{t.CARD_MEMORY_HIGH:.2f} red line, {t.CARD_MEMORY_LOW:.2f} orange).",
                [(q.CARD_MEMORY_RATIO, CARD),
                 (_per_card("card_memory_live_ratio"), "replica read " + CARD),
-                (_per_card("governor_memory_ratio"), "governor read " + CARD)],
+                (_per_card("governor_memory_ratio"), "governor read " + CARD),
+                (_per_card("governor_high"), "cut at " + CARD),
+                (_per_card("governor_low"), "grow at " + CARD)],
                unit="percentunit", min_=0, max_=1, width=12, height=9,
                thresholds=_steps(("green", None), ("orange", t.CARD_MEMORY_LOW),
                                  ("red", t.CARD_MEMORY_HIGH))),
@@ -208,9 +209,10 @@ SECTIONS: list[tuple[str, list[dict]]] = [
                [(f"max by (node, device) ({_raw('governor_limit_sequences')})", CARD)],
                width=6, height=9),
         _panel("timeseries", "Card memory terms",
-               "The terms of the live pressure per card, as the replicas export them: device "
-               "used and total, the engine's KV pool (reserved at start-up) and its free part at "
-               "the interval's peak, and memory the allocator caches but no tensor held.",
+               "The terms of the pressure per card, as the replicas export them: device used "
+               "and total, the engine's KV pool (preallocated at start-up) and its free part at "
+               "the interval's peak (saturation, not pressure), and memory the allocator caches "
+               "in whole free segments.",
                [(_per_card("card_memory_used_bytes"), "used " + CARD),
                 (_per_card("kv_cache_free_bytes"), "KV pool free " + CARD),
                 (_per_card("allocator_cache_free_bytes"), "allocator cache free " + CARD),
@@ -223,6 +225,13 @@ SECTIONS: list[tuple[str, list[dict]]] = [
                "vLLM's own KV-cache usage has already freed. KV pool free = pool × (1 − peak).",
                [(_per_card("kv_cache_usage_peak"), CARD)],
                unit="percentunit", min_=0, max_=1, width=8),
+        _panel("timeseries", "Allocator retries and OOMs",
+               "The engine allocator's counters since the engine started: a retry freed its "
+               "cache to fit an allocation (the card was full at that moment), an OOM failed "
+               "even then. Any rise cuts the card's budget at once, whatever the ratio says.",
+               [(_per_card("allocator_alloc_retries"), "retries " + CARD),
+                (_per_card("allocator_ooms"), "OOMs " + CARD)],
+               unit="short", min_=0, width=8),
         _panel("stat", "Governor", "Stale: holding last limits (no fresh memory reading).",
                [(f"max({_raw('governor_stale')})", "stale")], width=6, height=8,
                mappings=[{"type": "value", "options": {

@@ -1,7 +1,7 @@
 """STAND-IN Ray metrics agent — FOR TESTS ONLY. NO RAY, NO ENGINE, NO CARD BEHIND IT.
 
 Every value it serves was set by a test, through the Python API or over HTTP. It exists so that
-the memory governor's live-pressure signal can be exercised through a real Prometheus and real
+the memory governor's pressure signal can be exercised through a real Prometheus and real
 PromQL without starting Ray or an engine: it serves, under ``/metrics``, the per-card series an
 embedfleet engine replica exports through Ray's metrics agent, as Prometheus scrapes them (the
 scrape job must be ``ray``, as in the shipped config, since every query selects ``job="ray"``).
@@ -11,9 +11,10 @@ What it imitates from Ray's export of the replica's gauges (``embedfleet.deploym
 with Ray's ``ray_`` prefix —
 
   ray_embedfleet_card_memory_used_bytes       device memory in use (driver view)
-  ray_embedfleet_card_memory_total_bytes      device capacity
-  ray_embedfleet_kv_cache_free_bytes          free part of vLLM's KV pool
-  ray_embedfleet_allocator_cache_free_bytes   allocator-cached bytes no tensor held
+  ray_embedfleet_card_memory_total_bytes      device capacity (the runtime's)
+  ray_embedfleet_kv_cache_pool_bytes          vLLM's KV pool, preallocated
+  ray_embedfleet_kv_cache_free_bytes          free part of the KV pool (saturation, not pressure)
+  ray_embedfleet_allocator_cache_free_bytes   allocator-cached bytes in whole free segments
 
 — labelled ``node`` and ``device`` (the replica's tags) plus the labels Ray adds to every user
 metric (``WorkerId``, ``NodeAddress``, ``Component``, ``SessionName``, ``Version``). Each term of
@@ -24,7 +25,8 @@ can never be mistaken for the real thing.
 
 HTTP API (JSON bodies; values in bytes):
   GET  /metrics                        Prometheus text format
-  POST /set    {"node", "device", "used"?, "total"?, "kv_free"?, "cache_free"?, "worker_id"?}
+  POST /set    {"node", "device", "used"?, "total"?, "kv_pool"?, "kv_free"?, "cache_free"?,
+                "worker_id"?}
                sets the given terms; the others keep their value (unset: not exported)
   POST /drop   {"node", "device", "terms": [...]}   stops exporting these terms of one card
   POST /remove {"node"?, "device"?}    drops whole cards (all, with an empty body)
@@ -45,6 +47,7 @@ from embedfleet.deployments.metrics import BY_NAME
 SERIES: dict[str, str] = {
     "used": BY_NAME["embedfleet_card_memory_used_bytes"].exported[0],
     "total": BY_NAME["embedfleet_card_memory_total_bytes"].exported[0],
+    "kv_pool": BY_NAME["embedfleet_kv_cache_pool_bytes"].exported[0],
     "kv_free": BY_NAME["embedfleet_kv_cache_free_bytes"].exported[0],
     "cache_free": BY_NAME["embedfleet_allocator_cache_free_bytes"].exported[0],
 }
@@ -61,6 +64,7 @@ class Card:
     worker_id: str
     used: float | None = None
     total: float | None = None
+    kv_pool: float | None = None
     kv_free: float | None = None
     cache_free: float | None = None
 
@@ -107,11 +111,13 @@ class StandinRayAgent:
 
     # --- values ---------------------------------------------------------------------------------
     def set_card(self, node: str, device: str | int, *, used: float | None = None,
-                 total: float | None = None, kv_free: float | None = None,
-                 cache_free: float | None = None, worker_id: str | None = None) -> Card:
+                 total: float | None = None, kv_pool: float | None = None,
+                 kv_free: float | None = None, cache_free: float | None = None,
+                 worker_id: str | None = None) -> Card:
         """Set the given terms (bytes) of one card; terms not given keep their value, and a term
         never set is not exported. ``worker_id`` defaults to one per card."""
-        terms = {"used": used, "total": total, "kv_free": kv_free, "cache_free": cache_free}
+        terms = {"used": used, "total": total, "kv_pool": kv_pool, "kv_free": kv_free,
+                 "cache_free": cache_free}
         for term, value in terms.items():
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{term} must be a finite number >= 0, got {value!r}")

@@ -24,7 +24,7 @@ from typing import Any
 from embedfleet.deployments.engine import ascend_checks, ascend_release
 from embedfleet.deployments.config import ConfigError, EmbedfleetConfig, ModelConfig, parse_config
 from embedfleet.deployments.engine.card_memory import signal_floor_problems
-from embedfleet.deployments.engine.vllm_api import stack_versions
+from embedfleet.deployments.engine.vllm_api import distribution_version, stack_versions
 
 CPU_IMPORT_BREAKERS = ("torchvision", "torchaudio", "torchcodec")
 
@@ -152,7 +152,7 @@ def _platform_checks(kind: str, env: ascend_checks.AscendEnvironment,
                             "" if ok else "make setup"))
         if kind == "cpu":
             present = [n for n in CPU_IMPORT_BREAKERS
-                       if ascend_checks._dist_version(n) is not None]
+                       if distribution_version((n,)) is not None]
             checks.append(Check("no-torchvision", not present,
                                 f"installed: {present}" if present else "none installed",
                                 "pip uninstall -y " + " ".join(present) if present else ""))

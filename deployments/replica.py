@@ -146,6 +146,7 @@ class EngineReplica:
             last_activity=lambda: self.path.last_progress,
             cpu_card=CpuCardModel(cfg.platform.cpu_card_memory_bytes) if kind == "cpu" else None,
             model=model_name, configured_total_bytes=cfg.platform.card_memory_bytes)
+        self.path.on_engine_failure = self.follower.engine_oom  # the governor cuts the card
         self.reporter = Reporter(replica_id=self.replica_id, card=self.card, platform=kind,
                                  path=self.path, prefix=self.prefix, follower=self.follower,
                                  registry=registry, healthy=self._ready,

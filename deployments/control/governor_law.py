@@ -305,7 +305,7 @@ def hard_cut(params: GovernorParams, ceiling: Budget, previous: CardState, *, re
                                                     (ooms, "allocator OOMs"),
                                                     (engine_ooms, "engine OOMs in a step"))
                      if n)
-    seen = "memory" if previous.ratio is None else f"memory {_fmt(previous.ratio)}"
+    seen = "memory (no reading)" if previous.ratio is None else f"memory {_fmt(previous.ratio)}"
     head = f"{seen}: {what} since the last pull"
     common = dict(ratio=previous.ratio, sample_ts=previous.sample_ts)
     if (seq, tok) == (f_seq, f_tok):

@@ -95,6 +95,7 @@ class LimitsFollower:
         self.allocator = AllocatorCounters()
         """The current engine's allocator counters, as last read."""
         self.engine_ooms = 0
+        self._report_task: asyncio.Task[None] | None = None
 
     async def read_card(self, fresh: bool = False) -> CardMemoryReading | None:
         """The card's reading; probed unless an idle card's last probe still holds. ``fresh``:
@@ -154,10 +155,15 @@ class LimitsFollower:
                           engine_ooms=self.engine_ooms)
 
     def engine_oom(self) -> None:
-        """An engine call failed in a step (its engine is gone): the next pull reports it, and
-        the governor cuts this card at once. Counted here because the engine's own counters
-        went with it."""
+        """An engine call failed in a step (its engine is gone): report it to the governor now,
+        which cuts this card at once (the cut outlives this replica: the governor keeps the
+        card's state). Counted here because the engine's own counters went with it."""
         self.engine_ooms += 1
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): the next pull reports it
+            return
+        self._report_task = loop.create_task(self.follow())
 
     async def follow(self) -> None:
         if self._pull is None:

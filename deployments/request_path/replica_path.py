@@ -74,6 +74,11 @@ class RequestPath:
         assert engine is not None
         self.use_engine(engine)
 
+    def on_engine_failure(self) -> None:
+        """Called once when the engine dies in a step; the replica sets its own (an OOM cannot
+        be told from another death once the engine core is gone, so it reports each to the
+        memory governor, which cuts this card before its next engine gets the same load)."""
+
     def use_engine(self, engine: EmbeddingEngine) -> None:
         """Follow the engine the gate holds (a swap replaces it); a failure of the old engine
         says nothing of the new one."""
@@ -199,6 +204,8 @@ class RequestPath:
                     if not retired:
                         # The engine-core process died (or hung up): the call is safe to retry
                         # elsewhere, and the next health check makes Serve replace this replica.
+                        if not self.engine_failed:  # once per engine, not per call on it
+                            self.on_engine_failure()
                         self.engine_failed = True
                     raise EngineUnavailable(f"engine of replica {self._replica_id} failed: "
                                             f"{type(exc).__name__}", retry_after_s=1) from None

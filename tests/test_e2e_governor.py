@@ -1,11 +1,14 @@
 """Memory governor end to end, on the replicas' own signal (no exporter, no stand-in):
 
 real load on ``minilm-autoscale`` -> the engine worker's memory probe and vLLM's KV statistics ->
-the replica's card terms -> Ray's metrics agent -> Prometheus' recording rule (live pressure) ->
-MemoryGovernor -> the replica's admission budget. The CPU profile's card is the stand-in card
-model of ``deployments/engine/card_memory.py`` (weights + KV pool + activations of the engine worker,
-512 MiB in tests/configs/e2e-cpu.yaml, 384 of it
-minilm-autoscale's capacity beside its 128 MiB KV pool), so a loaded card crosses ``high``.
+the replica's card terms -> Ray's metrics agent -> Prometheus' recording rule (pressure outside
+the KV pool) -> MemoryGovernor -> the replica's admission budget. The CPU profile's card is the
+stand-in card model of ``deployments/engine/card_memory.py`` (weights + KV pool + activations of
+the engine worker, 512 MiB in tests/configs/e2e-cpu.yaml, 384 of it minilm-autoscale's capacity
+beside its 128 MiB KV pool). Its KV pool is zero-filled at start, so filling it adds nothing; the
+activations rise with the load, so a loaded card crosses ``high``; a peak past the stand-in
+card's capacity also counts as an allocator retry and OOM, which the replica reports with its
+next pull and which cuts at once (the reason starts "memory " either way).
 """
 
 from __future__ import annotations

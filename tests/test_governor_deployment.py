@@ -453,6 +453,7 @@ def test_allocator_retries_and_ooms_cut_at_once_whatever_the_ratio():
         assert st.stale
         got = await gov.limits_for(NODE, "0", CEILING, report(retries=2, ooms=1))
         assert got.max_tokens == 1024 and "1 allocator OOMs" in got.reason
+        assert got.stale and "Prometheus unavailable" in got.reason  # still says it is blind
         # A new engine: its counters start again from 0 (no cut), then its own retry cuts.
         got = await gov.limits_for(NODE, "0", CEILING, report())
         assert got.max_tokens == 1024

@@ -307,6 +307,8 @@ def hard_cut(params: GovernorParams, ceiling: Budget, previous: CardState, *, re
                      if n)
     seen = "memory (no reading)" if previous.ratio is None else f"memory {_fmt(previous.ratio)}"
     head = f"{seen}: {what} since the last pull"
+    if previous.stale:  # still blind: say so beside the cut
+        head += f" (ratio {previous.reason})"
     common = dict(ratio=previous.ratio, sample_ts=previous.sample_ts)
     if (seq, tok) == (f_seq, f_tok):
         return _decide(previous, seq=seq, tok=tok, stale=previous.stale, action="hold",

@@ -324,7 +324,7 @@ async def simulate(profile: CardProfile, profile_path: Path, config: str, govern
             "overrun_cut_s": None if cut_at is None else round(cut_at - overrun_start, 1),
             "overrun_ooms": engine.ooms_by_phase.get("overrun", 0),
             "engine_ooms": engine.engine_ooms, "requests_served": served,
-            "requests_lost": 0,  # an OOM re-queues its step: nothing is dropped by construction
+            "requests_queued_at_end": len(engine.waiting),
             "recovered_s": None if recovered is None else round(recovered, 1)}
 
 

@@ -56,9 +56,9 @@ def test_an_overrun_is_cut_within_an_interval_without_ooms_and_recovers(report):
     assert 0 <= report["overrun_cut_s"] - report["overrun_first_retry_s"] <= report["interval_s"]
     assert on["overrun_min_budget_fraction"] < 1.0
     assert report["recovered_s"] is not None and report["recovered_s"] < 300
-    # An OOM re-queues its step: everything the clients sent is served in both runs.
-    assert off["requests_lost"] == on["requests_lost"] == 0
-    assert on["requests_served"] > 0 and off["requests_served"] > 0
+    # An OOM re-queues its step (the simulated engine has no way to drop a request): without
+    # the governor the card still serves between its restarts, fewer than with it.
+    assert 0 < off["requests_served"] < on["requests_served"]
 
 
 def test_every_card_number_comes_from_the_profile(tmp_path):

@@ -69,3 +69,35 @@ def test_shutdown_reports_a_process_that_survives_sigkill(monkeypatch):
     finally:
         engine.proc.kill()
         engine.proc.wait()
+
+
+class EngineWithTrackerStandIn(StubbornEngineStandIn):
+    """An engine core that exits on shutdown, started beside a process whose command line is
+    multiprocessing's resource tracker's (it lives as long as the replica)."""
+
+    def __init__(self, kwargs: dict) -> None:
+        self.tracker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)",
+                                         "from multiprocessing.resource_tracker import main"])
+        super().__init__(kwargs)
+
+    def shutdown(self) -> None:
+        self.proc.kill()
+
+
+def engine_with_tracker(kwargs: dict) -> EngineWithTrackerStandIn:
+    return EngineWithTrackerStandIn(kwargs)
+
+
+def test_shutdown_does_not_wait_for_the_replicas_resource_tracker(monkeypatch):
+    monkeypatch.setenv(reaper.MARKER_ENV, "")
+    life = EngineLifecycle("tests.test_lifecycle:engine_with_tracker", lambda on: {},
+                           exit_wait_s=30, kill_wait_s=1)
+    engine = life.build(prefix_cache=True)
+    try:
+        t0 = time.monotonic()
+        assert life.shutdown(engine) == [] and not _exists(engine.proc.pid)
+        assert time.monotonic() - t0 < 10  # not the 30 s a tracker that never exits would cost
+        assert engine.tracker.poll() is None  # left alone: it serves the next engine too
+    finally:
+        engine.tracker.kill()
+        engine.tracker.wait()

@@ -49,8 +49,13 @@ class EngineLifecycle:
         os.environ[reaper.MARKER_ENV] = str(os.getpid())  # inherited by the engine's processes
         before = set(reaper.engine_pids())
         engine = self._factory(self._kwargs(prefix_cache))
-        pids = [p for p in reaper.engine_pids() if p not in before]
-        self._procs[id(engine)] = (pids, reaper.start_reaper(pids))
+        new = [p for p in reaper.engine_pids() if p not in before]
+        # The watchdog kills them all should the replica die; shutdown waits only for the
+        # engine's own: the first engine's start also starts multiprocessing's resource tracker,
+        # which serves the whole replica, holds no card memory and exits only with it (waiting
+        # for it cost every first swap the full EXIT_WAIT_S).
+        pids = [p for p in new if not reaper.is_resource_tracker(p)]
+        self._procs[id(engine)] = (pids, reaper.start_reaper(new))
         return engine
 
     def shutdown(self, engine: EmbeddingEngine) -> list[int]:

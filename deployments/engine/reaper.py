@@ -34,6 +34,16 @@ def _is_engine_process(pid: int) -> bool:
         MARKER_ENV.encode() in env
 
 
+def is_resource_tracker(pid: int) -> bool:
+    """multiprocessing's resource tracker (one per process tree, started with the first
+    spawned child): not part of any one engine."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
 def engine_pids(root: int | None = None) -> list[int]:
     """The replica's descendant processes (the engine core and its workers)."""
     import psutil

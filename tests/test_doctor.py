@@ -88,3 +88,49 @@ def test_a_config_with_no_room_at_idle_fails_the_signal_check(tmp_path):
 def test_effective_block_size(kind, configured, prefix, causal, want):
     size, why = effective_block_size(kind, configured, prefix, causal)
     assert size == want, why
+
+
+def test_doctor_shows_whether_a_card_profile_exists_and_how_old_it_is(tmp_path, monkeypatch):
+    from datetime import datetime, timedelta, timezone
+
+    from embedfleet.cluster.doctor import profile_line, profile_status
+    from embedfleet.deployments.config import load_config
+    from embedfleet.deployments.engine.card_profile import (default_profile_path, load_profile,
+                                                            save_profile, shipped_profile_path)
+    from embedfleet.deployments.settings import settings
+
+    monkeypatch.setenv("EMBEDFLEET_STATE_DIR", str(tmp_path))
+    settings.cache_clear()
+    try:
+        cfg = load_config(ROOT / "deployments" / "configs" / "local-cpu.yaml")
+        (m,) = cfg.models
+        none = profile_status(cfg, m)
+        path = default_profile_path(cfg.app_name, m.name)
+        assert none == {"exists": False, "path": str(path)}
+        assert "none" in profile_line(none) and "embedfleet calibrate" in profile_line(none)
+        # A measured profile of this model, written three hours ago where calibrate writes it.
+        shipped = load_profile(shipped_profile_path("ascend-910b-qwen3-embedding-8b"))
+        at = datetime(2026, 12, 5, 6, 0, tzinfo=timezone.utc)
+        save_profile(shipped.model_copy(update={
+            "source": "measured", "platform": "cpu", "model": m.name, "measured_at": at}), path)
+        now = (at + timedelta(hours=3)).timestamp()
+        found = profile_status(cfg, m, now=now)
+        assert found["exists"] and found["path"] == str(path) and found["source"] == "measured"
+        assert found["age_s"] == 3 * 3600 and found["fits"] is True
+        assert "measured, 3.0 h old" in profile_line(found)
+        # A profile of another model at that path is unusable, and said so.
+        save_profile(shipped.model_copy(update={"platform": "cpu"}), path)
+        bad = profile_status(cfg, m, now=now)
+        assert "qwen3-embedding-8b" in bad["error"] and "unusable" in profile_line(bad)
+    finally:
+        settings.cache_clear()
+
+
+def test_doctor_json_carries_the_card_profile(tmp_path):
+    env_dir = tmp_path / "state"
+    proc = subprocess.run([EMBEDFLEET, "doctor", "--json"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120,
+                          env={**os.environ, "EMBEDFLEET_STATE_DIR": str(env_dir)})
+    (model,) = json.loads(proc.stdout)["models"]
+    assert model["card_profile"] == {
+        "exists": False, "path": str(env_dir / "profiles" / "embedfleet--all-minilm-l6-v2.json")}

@@ -41,14 +41,17 @@ EVALUATION_INTERVAL = "5s"
 RAY_GAUGE_LOOKBACK = "30s"
 
 # --- Card memory (shared with the governor) ---------------------------------------------------
-# The ratio is live pressure (``queries.live_ratio``): device used minus the free part of the KV
-# pool and the allocator's cached-but-unused memory, over capacity minus the free KV pool. Raw
-# used/total cannot be the signal: vLLM reserves gpu_memory_utilization (0.95 on the 910B
-# profile) at start-up, so it reads ~0.95 at idle and would sit above HIGH for good.
+# The ratio is pressure outside the KV pool (``queries.live_ratio``): device used minus the KV
+# pool and the allocator's releasable cache, over the card minus the KV pool. Raw used/total
+# cannot be the signal: vLLM reserves gpu_memory_utilization (0.95 on the 910B profile) at
+# start-up, so it reads ~0.95 at idle and would sit above HIGH for good; nor can the pool's fill,
+# which allocates nothing.
 # At or above HIGH the governor cuts a card's batch budget; at or below LOW it grows it back; in
-# between it holds. 0.90 is where the seed 910B deployment (util 0.95, 32K-token inputs) stopped
-# seeing OOMs while keeping most of its throughput; the 10-point dead band is wider than the
-# few percent one large batch moves memory, so the governor does not oscillate.
+# between it holds. These are the band of a card without a card profile: with one, the profile
+# sets it per model (cut where only its safety margin is left, grow at its planned operating
+# point; ``governor_law.params_for_profile``), because where a card sits at its plan depends on
+# the card, engine and model. The 10-point dead band is wider than the few percent one large
+# batch moves memory, so the governor does not oscillate.
 CARD_MEMORY_HIGH = 0.90
 CARD_MEMORY_LOW = 0.80
 # One minute is two governor cooldowns (30 s): by then at least two cuts should have landed. A

@@ -207,7 +207,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     m = _pick_model(cfg, args.model)
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
-    x = asyncio.run(measure(cfg, m, log=log))
+    try:
+        x = asyncio.run(measure(cfg, m, log=log))
+    except Exception as exc:  # the engine did not start or died: say so, not a traceback
+        print(f"calibrate {m.name}: {type(exc).__name__}: {exc}\n(calibrate needs the card to "
+              "itself: run it before `embedfleet up`, or where no replica holds the card)",
+              file=sys.stderr)
+        return 1
     margin = args.margin_bytes if args.margin_bytes is not None else default_margin(
         x.card_total, x.kv_pool)
     v = judge(card_total=x.card_total, kv_pool=x.kv_pool, worst_peak=x.worst_peak, margin=margin,

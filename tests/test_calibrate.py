@@ -147,3 +147,21 @@ def test_calibrate_runs_the_worst_step_on_the_cpu_card_stand_in(tmp_path):
     assert p.card_total_bytes == last["card_total_bytes"] > p.worst_step_peak_bytes
     assert p.weights_bytes > 20 * MiB  # MiniLM's 22.7 M parameters
     assert p.worst_step_peak_bytes >= p.idle_outside_pool_bytes >= p.weights_bytes
+
+
+def test_an_engine_that_cannot_start_is_exit_1_with_the_reason(monkeypatch, capsys, tmp_path):
+    async def busy_card(cfg, m, **kw):
+        raise ValueError("Free memory on device (3.2/64.0 GiB) on startup is less than desired "
+                         "GPU memory utilization (0.95, 60.8 GiB)")
+
+    monkeypatch.setattr(calibrate, "measure", busy_card)
+    monkeypatch.setenv("EMBEDFLEET_STATE_DIR", str(tmp_path))
+    settings.cache_clear()
+    parser = argparse.ArgumentParser()
+    calibrate.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["calibrate", "--config",
+                              str(ROOT / "deployments/configs/local-cpu.yaml")])
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert "Free memory on device" in err and "card to itself" in err
+    assert not (tmp_path / "profiles").exists()

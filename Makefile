@@ -75,9 +75,9 @@ reference-sources: $(STAMP)
 test: setup reference-sources
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Unit tests only: no cluster (no Ray, no port 8000), no real vLLM engine, no network in the
-# tests themselves (the reference sources are an install step, fetched once like the venv).
-UNIT_MARKERS := not cluster and not engine and not ascend_install
+# Unit tests only: no cluster (no Ray, no port 8000), no real vLLM engine or Prometheus, no
+# network in the tests themselves (the reference sources are an install step, fetched once).
+UNIT_MARKERS := not cluster and not engine and not prometheus and not ascend_install
 test-unit: setup reference-sources
 	$(PY) -m pytest -m "$(UNIT_MARKERS)" $(PYTEST_ARGS)
 

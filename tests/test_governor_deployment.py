@@ -133,6 +133,7 @@ async def tick_until(gov: MemoryGovernor, done, max_ticks: int, what: str):
     pytest.fail(f"{what} not reached in {max_ticks} steps; last states: {states!r}")
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_pressure_on_card_1_cuts_only_card_1_recovers_step_by_step_and_holds_when_blind(
         exporter, agent, tmp_path):
     prom = start_prometheus(scrape_config(("npu", exporter.port), ("ray", agent.port)), tmp_path,
@@ -232,6 +233,7 @@ def test_pressure_on_card_1_cuts_only_card_1_recovers_step_by_step_and_holds_whe
         prom.stop()
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_a_card_whose_replica_stops_reporting_its_kv_term_is_held_stale(exporter, agent,
                                                                          tmp_path, monkeypatch):
     # The device reading alone is vLLM's reservation: without the replica's KV pool term there
@@ -276,6 +278,7 @@ def shared(tmp_path_factory):
             prom.stop()
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_embedfleet_preset_matches_replica_node_ips_and_the_loop_runs_in_background(shared):
     prom, _, agent = shared
     # As after Ray's export: the series carry the replica's node IP in `node`; the scrape job
@@ -315,6 +318,7 @@ def test_embedfleet_preset_matches_replica_node_ips_and_the_loop_runs_in_backgro
     asyncio.run(scenario())
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_node_aliases_map_exporter_names_to_replica_ips(shared):
     prom, npu, agent = shared
     # npu-exporter names the node gpu-host-7 (the scrape config's label); the replica on it

@@ -147,6 +147,7 @@ def scraped(prometheus, metric: str, node: str) -> dict:
 
 # --- the npu-exporter preset through real Prometheus ------------------------------------------
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_a_reserved_card_reads_outside_its_pool_a_full_pool_moves_nothing_a_hot_step_cuts(
         exporter, agent, prometheus):
     cards = {("node-a", "0"), ("node-a", "1")}
@@ -187,6 +188,7 @@ def short_lookback_preset(monkeypatch) -> tuple[CardMemoryQuery, float]:
     return query, 8.0
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_a_card_without_its_replica_terms_gives_no_result(exporter, agent, prometheus,
                                                           monkeypatch):
     npu, lookback_s = short_lookback_preset(monkeypatch)
@@ -215,6 +217,7 @@ def test_a_card_without_its_replica_terms_gives_no_result(exporter, agent, prome
     assert ("node-bare", "0") not in ratios(prometheus, npu)
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_old_exporter_timestamps_come_back_and_the_law_calls_them_stale(exporter, agent,
                                                                         prometheus):
     # npu-exporter stamps samples itself; a stuck one keeps serving an old stamp. Prometheus
@@ -234,6 +237,7 @@ def test_old_exporter_timestamps_come_back_and_the_law_calls_them_stale(exporter
     assert "old" in state.reason
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_a_card_that_stops_reporting_disappears(exporter, agent, prometheus):
     exporter.set_card("node-gone", 0, RESERVED_MB, TOTAL_MB)
     agent.set_card("node-gone", 0, **IDLE, **RUNTIME)
@@ -263,6 +267,7 @@ def one_node_exporter(agent, tmp_path_factory):
             handle.stop()
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_node_from_the_scrape_target_when_the_exporter_has_no_node_label(one_node_exporter,
                                                                          agent):
     exporter, prometheus = one_node_exporter
@@ -280,6 +285,7 @@ def test_node_from_the_scrape_target_when_the_exporter_has_no_node_label(one_nod
     assert ratios(prometheus) == {}  # the default node label joins no replica
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_async_client_gives_the_same_answer(prometheus):
     wait_for(lambda: ratios(prometheus), lambda r: ("node-a", "0") in r, what="scraped")
     now = time.time()
@@ -287,6 +293,7 @@ def test_async_client_gives_the_same_answer(prometheus):
     assert sync and asyncio.run(aquery_card_ratios(prometheus.url, NPU, at=now)) == sync
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_node_aliases_join_the_replica_node_name_inside_the_query(exporter, agent, prometheus):
     exporter.set_card("npu-host.7", 0, RESERVED_MB, TOTAL_MB)
     # A decoy a regex "." would also rename; its higher reading would then win the max.
@@ -346,6 +353,7 @@ def test_hand_written_query_keeps_the_highest_duplicate_and_the_evaluation_time(
     assert got == {("n", "0"): (0.91, 1700000000.5)}
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 @pytest.mark.parametrize("expr, needle", [
     ("sum(", "bad_data"),
     ("1", "expected an instant vector"),
@@ -638,6 +646,7 @@ def test_standin_ray_agent_serves_the_replica_terms_as_ray_exports_them():
 
 # --- the Prometheus process helper ------------------------------------------------------------
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_bad_config_fails_start_with_the_log(tmp_path):
     start = time.monotonic()
     with pytest.raises(PrometheusStartError, match="exited") as err:
@@ -647,6 +656,7 @@ def test_bad_config_fails_start_with_the_log(tmp_path):
     assert time.monotonic() - start < 15
 
 
+@pytest.mark.prometheus  # a real Prometheus, waited on: not in `make test-unit`
 def test_detached_prometheus_is_stopped_through_its_pid_file(tmp_path):
     handle = start_prometheus("global: {scrape_interval: 1m}", tmp_path, free_port(), detach=True)
     try:

@@ -151,3 +151,11 @@ def test_v1_models_names_nodes_and_pids_only_when_the_operator_says_so(expose):
     assert (("node" in card) and ("pid" in card)) is expose
     if expose:
         assert (card["node"], card["pid"]) == ("n1", 1)
+
+
+def test_the_task_text_counts_once_per_input_against_the_character_bound():
+    p = pipeline(max_chars=100)
+    p.check(EmbedRequest("m", ["a"] * 4, "input", task="t" * 24))  # 4 + 96 = 100
+    with pytest.raises(RequestTooLarge) as err:
+        p.check(EmbedRequest("m", ["a"] * 4, "input", task="t" * 25))
+    assert err.value.param == "task" and "limits.max_chars of 100" in err.value.message

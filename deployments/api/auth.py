@@ -127,6 +127,8 @@ def read_keys_file(path: str) -> dict[str, KeyLimits]:
     except OSError as err:
         raise KeysError(f"router.api_keys_file {path}: cannot read it on this node "
                         f"({type(err).__name__}: {err.strerror or err})") from None
+    except UnicodeDecodeError:  # a reload must refuse it like a bad line, never raise a 500
+        raise KeysError(f"router.api_keys_file {path}: not UTF-8 text") from None
     return parse_keys_file(text, path)
 
 

@@ -142,6 +142,14 @@ class EmbedPipeline:
         API: the model exists (404), then the request's size (422, 413)."""
         m = self.resolve(req.model)
         check_request_size(self.cfg, m, req.inputs, req.param)
+        if req.task and req.inputs and isinstance(req.inputs[0], str):
+            # the instruction's task text is copied into every input at the replica
+            chars = sum(len(t) for t in req.inputs) + len(req.task) * len(req.inputs)
+            if chars > m.max_request_chars:
+                raise RequestTooLarge(
+                    f"task x {len(req.inputs)} inputs makes {chars} characters in all, more "
+                    f"than model '{m.name}''s limits.max_chars of {m.max_request_chars}",
+                    param="task")
         return m
 
 

@@ -95,3 +95,30 @@ def test_past_its_waiting_slots_a_tokenize_call_gets_429(minilm_tokenizer):
         await asyncio.gather(first, *waiting, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_a_cancelled_call_holds_its_budget_until_its_thread_is_done(minilm_tokenizer):
+    q = queue(max_chars=100)
+    released = []
+
+    class Slow:
+        def __call__(self, texts, **kw):
+            time.sleep(0.3)
+            released.append(q.budget.snapshot()["inflight_tokens"])  # still held meanwhile
+            return minilm_tokenizer(texts, **kw)
+
+        def convert_ids_to_tokens(self, ids):
+            return minilm_tokenizer.convert_ids_to_tokens(ids)
+
+    async def scenario():
+        call = asyncio.create_task(q.tokenize(Slow(), ["a" * 100], True))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        await asyncio.sleep(0.05)
+        held = q.budget.snapshot()["inflight_tokens"]
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        return held, q.budget.snapshot()["inflight_tokens"]
+
+    held, after = asyncio.run(scenario())
+    assert held == 100 and released == [100] and after == 0

@@ -50,8 +50,15 @@ class TokenizeQueue:
                 f"inputs has {chars} characters in all, more than model '{self.model}''s "
                 f"limits.max_chars of {self.max_chars}", param="inputs")
         async with self.budget.admit(max(1, len(texts)), chars, lane=lane):
-            return await asyncio.to_thread(self._tokenize, tokenizer, list(texts),
-                                           add_special_tokens)
+            work = asyncio.ensure_future(asyncio.to_thread(self._tokenize, tokenizer, list(texts),
+                                                           add_special_tokens))
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # A thread cannot be stopped: the budget stays held until it is done, or a
+                # client that hangs up would leave the tokenizer busy beyond its budget.
+                await asyncio.wait({work})
+                raise
 
     def _tokenize(self, tokenizer: Any, texts: list[str],
                   add_special_tokens: bool) -> list[list[SimpleToken]]:

@@ -10,16 +10,10 @@ import pytest
 import requests
 
 from embedfleet.deployments.request_path.long_input import LongInputPolicy, SpecialTokens, plan
+from tests.texts import doc
 from tests.conftest import MINILM, TINY_QWEN3
 
 pytestmark = pytest.mark.cluster
-WORDS = ("court contract statute appeal remedy damages tort negligence liability clause party "
-         "breach evidence witness judgment precedent jurisdiction tribunal").split()
-
-
-def doc(n_words: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
 def post(cluster, path="/v1/embeddings", **body):

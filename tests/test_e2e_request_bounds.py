@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import random
 import statistics
 import threading
 import time
@@ -19,16 +18,10 @@ import time
 import pytest
 import requests
 
+from tests.texts import doc
 from tests.conftest import MINILM, ZERO
 
 pytestmark = pytest.mark.cluster
-WORDS = ("court contract statute appeal remedy damages tort negligence liability clause party "
-         "breach evidence witness judgment precedent jurisdiction tribunal").split()
-
-
-def doc(n_words: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
 class Prober:

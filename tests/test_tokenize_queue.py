@@ -69,26 +69,34 @@ def test_a_large_body_is_tokenised_while_the_event_loop_keeps_running(minilm_tok
     assert n > 60_000 and ticks > 10
 
 
+class Slow:
+    """MiniLM's tokenizer, ``seconds`` slower; ``during()`` runs while it works."""
+
+    def __init__(self, tokenizer, seconds: float, during=lambda: None) -> None:
+        self.tokenizer, self.seconds, self.during = tokenizer, seconds, during
+
+    def __call__(self, texts, **kw):
+        time.sleep(self.seconds)
+        self.during()
+        return self.tokenizer(texts, **kw)
+
+    def convert_ids_to_tokens(self, ids):
+        return self.tokenizer.convert_ids_to_tokens(ids)
+
+
 def test_past_its_waiting_slots_a_tokenize_call_gets_429(minilm_tokenizer):
     """One call of the whole character budget holds it; the queue behind it is bounded."""
     q = queue(max_chars=100, queue_timeout_s=30)
-
-    class Slow:
-        def __call__(self, texts, **kw):
-            time.sleep(0.5)
-            return minilm_tokenizer(texts, **kw)
-
-        def convert_ids_to_tokens(self, ids):
-            return minilm_tokenizer.convert_ids_to_tokens(ids)
+    slow = Slow(minilm_tokenizer, 0.5)
 
     async def scenario():
-        first = asyncio.create_task(q.tokenize(Slow(), ["a" * 100], True))
+        first = asyncio.create_task(q.tokenize(slow, ["a" * 100], True))
         await asyncio.sleep(0.05)
-        waiting = [asyncio.create_task(q.tokenize(Slow(), ["b"], True))
+        waiting = [asyncio.create_task(q.tokenize(slow, ["b"], True))
                    for _ in range(TOKENIZE_MAX_WAITING)]
         await asyncio.sleep(0.05)
         with pytest.raises(Overloaded) as err:
-            await q.tokenize(Slow(), ["c"], True)
+            await q.tokenize(slow, ["c"], True)
         assert err.value.status == 429 and err.value.retry_after_s >= 1
         for t in [first, *waiting]:
             t.cancel()
@@ -100,18 +108,11 @@ def test_past_its_waiting_slots_a_tokenize_call_gets_429(minilm_tokenizer):
 def test_a_cancelled_call_holds_its_budget_until_its_thread_is_done(minilm_tokenizer):
     q = queue(max_chars=100)
     released = []
-
-    class Slow:
-        def __call__(self, texts, **kw):
-            time.sleep(0.3)
-            released.append(q.budget.snapshot()["inflight_tokens"])  # still held meanwhile
-            return minilm_tokenizer(texts, **kw)
-
-        def convert_ids_to_tokens(self, ids):
-            return minilm_tokenizer.convert_ids_to_tokens(ids)
+    slow = Slow(minilm_tokenizer, 0.3,
+                lambda: released.append(q.budget.snapshot()["inflight_tokens"]))  # still held
 
     async def scenario():
-        call = asyncio.create_task(q.tokenize(Slow(), ["a" * 100], True))
+        call = asyncio.create_task(q.tokenize(slow, ["a" * 100], True))
         await asyncio.sleep(0.05)
         call.cancel()
         await asyncio.sleep(0.05)

@@ -27,3 +27,14 @@ VARIED_TEXTS = [
     " ".join(["long input"] * 100),
     "emoji test 🚀🔥✨ with text",
 ]
+
+# Legal-sounding words for long documents of a chosen length (seeded: the same text every run).
+WORDS = ("court contract statute appeal remedy damages tort negligence liability clause party "
+         "breach evidence witness judgment precedent jurisdiction tribunal").split()
+
+
+def doc(n_words: int, seed: int) -> str:
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))

@@ -136,3 +136,19 @@ def test_up_refuses_keys_it_cannot_load_before_starting_anything(tmp_path, capsy
     keys.write_text("sk-up-test-0123456789\n")
     assert cli.main(["up", "--detach", "--config",
                      config_file(tmp_path, api_keys_file=str(keys))]) == 0
+
+
+def test_a_loopback_router_host_starts_every_local_node_on_loopback(monkeypatch):
+    """Serve's HAProxy reaches an ingress replica at its node's address and the replica binds
+    router.host: a loopback host on nodes with the machine's address left every Router
+    unreachable (HAProxy ran on its backup, Serve's proxy, which cannot replay)."""
+    started: list[list[str]] = []
+    monkeypatch.setattr(local, "ray_running", lambda address: False)
+    monkeypatch.setattr(local, "_ray_start", lambda cmd, env: started.append(cmd))
+    monkeypatch.setattr(local, "node_ip", lambda: "192.0.2.2")
+    assert local.start_head(2, nodes=2, loopback=True).startswith("127.0.0.1:")
+    assert len(started) == 2
+    assert all("--node-ip-address=127.0.0.1" in cmd for cmd in started)
+    started.clear()
+    assert local.start_head(2, nodes=2, loopback=False).startswith("192.0.2.2:")
+    assert not any(a.startswith("--node-ip-address") for cmd in started for a in cmd)

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from embedfleet.benchmarks.workloads import WORDS, instruction_prefix
+from .workloads import WORDS, instruction_prefix
 
 VARIANTS = {"affinity": "tiny-qwen3-affinity", "default": "tiny-qwen3-p2c"}
 POLICIES = {"affinity": "prefix_affinity", "default": "power_of_two"}
@@ -45,7 +45,7 @@ GOALS = {"cached_ratio_min": 0.8, "throughput_ratio_min": 1.3, "max_load_over_me
 
 
 def cluster_config(model_dir: Path, port: int) -> Any:
-    from embedfleet.deployments.config import parse_config
+    from ..deployments.config.schema import parse_config
 
     def model(variant: str) -> dict[str, Any]:
         return {"name": VARIANTS[variant], "source": {"path": str(model_dir)},
@@ -146,10 +146,10 @@ async def run_prefix_affinity(*, url: str, out: Path, cores: list[int], repeats:
     """Start the two-model cluster if nothing answers at ``url``, run, stop what was started."""
     from urllib.parse import urlparse
 
-    from embedfleet.benchmarks.embedfleet_peer import EmbedfleetPeer, served_model
-    from embedfleet.benchmarks.prefix_cache_bench import TINY_QWEN3_DIR
-    from embedfleet.benchmarks.process_cpu import CpuMeter
-    from embedfleet.benchmarks.tiny_qwen3 import build_tiny_qwen3
+    from .embedfleet_peer import EmbedfleetPeer, served_model
+    from .prefix_cache_bench import TINY_QWEN3_DIR
+    from .process_cpu import CpuMeter
+    from .tiny_qwen3 import build_tiny_qwen3
 
     cfg = cluster_config(build_tiny_qwen3(TINY_QWEN3_DIR), urlparse(url).port or 8000)
     peer = EmbedfleetPeer(url, VARIANTS["affinity"], CONCURRENCY, cfg, out, cores)

@@ -56,12 +56,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from embedfleet.benchmarks import report as rpt
-from embedfleet.benchmarks.bench_runs import compare_peers, cpu_accounting, start_peers
-from embedfleet.benchmarks.chart import write_chart
-from embedfleet.benchmarks.load_driver import batch_size, concurrency_of, driver_calibration
-from embedfleet.benchmarks.report_text import closing_lines, summary_table
-from embedfleet.benchmarks.workloads import FULL, NAMES, QUICK, Workload, build
+from . import report as rpt
+from .bench_runs import compare_peers, cpu_accounting, start_peers
+from .chart import write_chart
+from .load_driver import batch_size, concurrency_of, driver_calibration
+from .report_text import closing_lines, summary_table
+from .workloads import FULL, NAMES, QUICK, Workload, build
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -140,8 +140,8 @@ def machine_info(cores: list[int]) -> dict[str, Any]:
     import torch
     import vllm
 
-    from embedfleet.benchmarks.embedfleet_peer import ray_ports_taken
-    from embedfleet.benchmarks.server_peers import infinity_version
+    from .embedfleet_peer import ray_ports_taken
+    from .server_peers import infinity_version
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
                 if ln.startswith("model name")), platform.processor())
@@ -167,9 +167,9 @@ def _read(path: str) -> str:
 def make_peers(args: argparse.Namespace, cfg: Any, out: Path, concurrency: int) -> list[Any]:
     """``concurrency``: the most requests any workload keeps in flight (the HTTP peers' client
     pools hold that many connections, so a 16-in-flight workload is not capped by the pool)."""
-    from embedfleet.benchmarks.embedfleet_peer import EmbedfleetPeer
-    from embedfleet.benchmarks.peers import VllmInProcessPeer
-    from embedfleet.benchmarks.server_peers import InfinityPeer, VllmServePeer
+    from .embedfleet_peer import EmbedfleetPeer
+    from .peers import VllmInProcessPeer
+    from .server_peers import InfinityPeer, VllmServePeer
 
     m = cfg.models[0]
     # Exactly what benchmarks/throughput.py run_vllm does; MiniLM is bidirectional, so
@@ -208,9 +208,9 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
     )
     from transformers import AutoTokenizer
 
-    from embedfleet.benchmarks.embedfleet_peer import bench_config
-    from embedfleet.benchmarks.prefix_cache_bench import run_prefix_cache
-    from embedfleet.deployments.config import load_config
+    from .embedfleet_peer import bench_config
+    from .prefix_cache_bench import run_prefix_cache
+    from ..deployments.config.schema import load_config
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     machine = machine_info(args.core_list)  # before the run: the load average says how idle
@@ -275,13 +275,13 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
                             "reason": "the prefix-cache comparison runs in bare vLLM: add "
                                       "`vllm` to --peers"}
         if "prefix-affinity" in args.workload_list:  # after the peers: its own cluster
-            from embedfleet.benchmarks.affinity_bench import run_prefix_affinity
+            from .affinity_bench import run_prefix_affinity
 
             prefix_affinity = await run_prefix_affinity(
                 url=args.embedfleet_url, out=out, cores=args.core_list, repeats=args.repeats,
                 quick=args.quick, seed=args.seed, progress=progress)
         if "lanes" in args.workload_list:
-            from embedfleet.benchmarks.lanes_bench import run_lanes
+            from .lanes_bench import run_lanes
 
             lanes = await run_lanes(url=args.embedfleet_url, out=out, cores=args.core_list,
                                     repeats=args.repeats, quick=args.quick, progress=progress)
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from embedfleet.benchmarks.peers import cpu_env
+    from .peers import cpu_env
 
     os.environ.update(cpu_env(args.core_list))
     from rich.console import Console

@@ -14,16 +14,16 @@ import time
 import traceback
 from typing import Any
 
-from embedfleet.benchmarks import report as rpt
-from embedfleet.benchmarks.load_driver import (batch_size, concurrency_of, describe_error,
-                                               timed_run, warm_up)
-from embedfleet.benchmarks.workloads import FULL, QUICK, Workload
+from . import report as rpt
+from .load_driver import (batch_size, concurrency_of, describe_error,
+                          timed_run, warm_up)
+from .workloads import FULL, QUICK, Workload
 
 
 def cpu_meter(peer: Any, peers: list[Any]) -> Any:
     """The meter of one run of ``peer``: its own processes (``peer``) and, for a peer outside
     this process, the load driver - this process alone, its threads, not its children."""
-    from embedfleet.benchmarks.process_cpu import CpuMeter, OwnProcess
+    from .process_cpu import CpuMeter, OwnProcess
 
     scopes = {"peer": peer.cpu_scope([p for p in peers if p is not peer])}
     if not getattr(peer, "in_process", False):  # else its scope already holds this process
@@ -56,7 +56,7 @@ def cpu_accounting(peers: list[Any], calibration: dict[str, Any] | None) -> dict
 async def start_peers(peers: list[Any], console: Any) -> dict[str, dict[str, Any]]:
     """Start every peer at once (their start-ups overlap; nothing is timed yet). Each gets a
     status: ok, skipped (cannot run here, with what to do) or failed (with the error)."""
-    from embedfleet.benchmarks.peers import PeerUnavailable
+    from .peers import PeerUnavailable
 
     async def one(p: Any) -> dict[str, Any]:
         t0 = time.monotonic()

@@ -51,39 +51,39 @@ from typing import Any
 # Options, orchestration and the command live here; what each fault hits in chaos_targets, the
 # faults in chaos_faults, the load in chaos_load, the per-model arithmetic in chaos_stats and the
 # report in chaos_report. Their names are re-exported because tests import them from here.
-from embedfleet.benchmarks.chaos_faults import (
-    Cluster,
-    fault_schedule,
-    flood_plan,
-    inject_faults,
-    parse_faults,
+from .chaos_faults import (
+Cluster,
+fault_schedule,
+flood_plan,
+inject_faults,
+parse_faults,
 )
-from embedfleet.benchmarks.chaos_load import (
-    MAX_CONCURRENCY,
-    MAX_DURATION_S,
-    MAX_REQUESTS,
-    MAX_RPS,
-    Tally,
-    classify,
-    mixed_request,
-    run_load,
+from .chaos_load import (
+MAX_CONCURRENCY,
+MAX_DURATION_S,
+MAX_REQUESTS,
+MAX_RPS,
+Tally,
+classify,
+mixed_request,
+run_load,
 )
-from embedfleet.benchmarks.chaos_report import build_report, summary
-from embedfleet.benchmarks.chaos_stats import Sample, by_model, memory_growth, percentile, stats
-from embedfleet.benchmarks.chaos_targets import (
-    ENGINE_REPLICA,
-    FAULT_KINDS,
-    MAX_BURST,
-    TARGETS,
-    burst_size,
-    engine_core_pids,
-    engine_replicas,
-    find_targets,
-    is_actor_process,
-    model_of,
-    pause_seconds,
-    process_role,
-    serve_actors,
+from .chaos_report import build_report, summary
+from .chaos_stats import Sample, by_model, memory_growth, percentile, stats
+from .chaos_targets import (
+ENGINE_REPLICA,
+FAULT_KINDS,
+MAX_BURST,
+TARGETS,
+burst_size,
+engine_core_pids,
+engine_replicas,
+find_targets,
+is_actor_process,
+model_of,
+pause_seconds,
+process_role,
+serve_actors,
 )
 
 __all__ = [
@@ -162,7 +162,7 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
 def default_pause(cfg: Any) -> float:
     """--pause when not given: past the health-stall bound of the cluster's config, or of the
     schema's defaults without --config (the Serve options are rendered from the same fields)."""
-    from embedfleet.deployments.config import EmbedfleetConfig
+    from ..deployments.config.schema import EmbedfleetConfig
 
     def field(name: str) -> float:
         return EmbedfleetConfig.model_fields[name].default if cfg is None else getattr(cfg, name)
@@ -224,7 +224,7 @@ async def drive(opts: dict[str, Any], cluster: Any, load) -> tuple[Tally, list[d
 def _load_config(path: str | None) -> Any:
     if path is None:
         return None
-    from embedfleet.deployments.config import ConfigError, load_config
+    from ..deployments.config.schema import ConfigError, load_config
 
     try:
         return load_config(path)

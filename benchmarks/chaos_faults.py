@@ -15,19 +15,19 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from embedfleet.benchmarks.chaos_load import send_burst
-from embedfleet.benchmarks.chaos_stats import Sample, by_model
-from embedfleet.benchmarks.chaos_targets import (
-    FAULT_KINDS,
-    TARGETS,
-    burst_size,
-    engine_core_pids,
-    find_targets,
-    is_actor_process,
-    model_of,
-    pick_target,
-    process_role,
-    serve_actors,
+from .chaos_load import send_burst
+from .chaos_stats import Sample, by_model
+from .chaos_targets import (
+FAULT_KINDS,
+TARGETS,
+burst_size,
+engine_core_pids,
+find_targets,
+is_actor_process,
+model_of,
+pick_target,
+process_role,
+serve_actors,
 )
 
 DEFAULT_BURST = 256  # without --burst or --config the admission bound is unknown
@@ -74,7 +74,7 @@ class Cluster:
     limits Serve replicas to its app and gives admission bounds; None = any app, no bounds."""
 
     def __init__(self, config: str | None, rng: random.Random, cfg: Any = None) -> None:
-        from embedfleet.cluster.local import ensure_token_auth
+        from ..cluster.local import ensure_token_auth
 
         ensure_token_auth()  # a Ray client without RAY_AUTH_MODE=token is refused
         self.config = config
@@ -94,7 +94,7 @@ class Cluster:
         return self._ray
 
     def actors(self) -> list[Any]:
-        from embedfleet.cluster.local import dashboard_url
+        from ..cluster.local import dashboard_url
         from ray.util.state import list_actors
 
         # Through the local dashboard's state API: listing needs no driver connection (ray.init
@@ -194,7 +194,7 @@ class Cluster:
         return await send_burst(url, model, size, timeout_s, t0, seed=self.rng.randrange(2 ** 31))
 
     def stop_prometheus(self) -> str:
-        from embedfleet.cluster.monitoring_stack import stop_monitoring
+        from ..cluster.monitoring_stack import stop_monitoring
 
         if not stop_monitoring():
             # not ours or not running: nothing to restart later either
@@ -203,8 +203,8 @@ class Cluster:
         return "stopped"
 
     def start_prometheus(self) -> str:
-        from embedfleet.cluster.monitoring_stack import start_monitoring
-        from embedfleet.deployments.config import load_config
+        from ..cluster.monitoring_stack import start_monitoring
+        from ..deployments.config.schema import load_config
 
         url = start_monitoring(self.cfg or load_config(self.config))
         self.prometheus_stopped = False

@@ -12,8 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from embedfleet.benchmarks.chaos_stats import Sample
-from embedfleet.benchmarks.throughput import WORDS
+from .chaos_stats import Sample
+from .throughput import WORDS
 
 # Hard ceilings: a mistyped flag must not turn a test into an unbounded flood.
 MAX_DURATION_S = 3600

@@ -2,7 +2,7 @@
 
 The records are what ``ray.util.state.list_actors`` returns (``ActorState``; dicts are accepted
 too). Serve names its actors' classes ``ServeReplica:<app>:<deployment>``, ``ProxyActor`` and
-``ServeController``; the deployment names come from deployments/options.py, the one place that
+``ServeController``; the deployment names come from deployments/config/ray_options.py, the one place that
 names them, so a renamed deployment cannot leave the chaos tool aiming at nothing.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Literal, get_args
 
-from embedfleet.deployments.options import (GOVERNOR_NAME, REGISTRY_NAME, ROUTER_NAME,
-                                            engine_deployment_name)
+from ..deployments.config.ray_options import (GOVERNOR_NAME, REGISTRY_NAME, ROUTER_NAME,
+                                   engine_deployment_name)
 
 # The order is the soak's: --soak's eleven minutes hold ten faults, one of each kind; the three
 # kinds of the first recorded soak come first, and engine faults alternate with control-plane
@@ -152,10 +152,10 @@ def burst_size(max_sequences: int, max_waiting: int, replicas: int,
     """(requests to send, the admission bound) for a burst that overfills a model's queues.
 
     The bound is what the model can hold at once, in one-text calls (one sequence each): every
-    replica's budget plus its own queue (Serve's max_ongoing_requests, deployments/options.py
+    replica's budget plus its own queue (Serve's max_ongoing_requests, deployments/config/ray_options.py
     ``serve_queue_limits``) plus Serve's queue in front of them (max_queued_requests, the same
     number), both capped at ``MAX_ONGOING_REQUESTS``."""
-    from embedfleet.deployments.options import MAX_ONGOING_REQUESTS
+    from ..deployments.config.ray_options import MAX_ONGOING_REQUESTS
 
     per_replica = min(max_sequences + max_waiting, MAX_ONGOING_REQUESTS)
     bound = max(replicas, 1) * per_replica + per_replica

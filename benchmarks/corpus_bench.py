@@ -42,7 +42,7 @@ def write_corpus(path: Path, rows: int) -> Path:
 
 
 def _timed(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
-    from embedfleet.benchmarks.process_cpu import machine_busy_s
+    from .process_cpu import machine_busy_s
 
     busy0, t0 = machine_busy_s(), time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=10_000)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    from embedfleet.deployments.config import load_config
+    from ..deployments.config.schema import load_config
 
     model = load_config(Path(args.config)).models[0].name
     runs: dict[str, list[dict[str, Any]]] = {"corpus": [], "engine": []}

@@ -21,8 +21,8 @@ from urllib.parse import urlparse
 
 import yaml
 
-from embedfleet.benchmarks.peers import OpenAIHttpPeer, PeerUnavailable, cpu_env, port_in_use
-from embedfleet.benchmarks.workloads import Workload
+from .peers import OpenAIHttpPeer, PeerUnavailable, cpu_env, port_in_use
+from .workloads import Workload
 
 UP_TIMEOUT_S = 1500  # Ray head + Serve + one engine's cold start on 2 cores
 DOWN_TIMEOUT_S = 300
@@ -43,7 +43,7 @@ def bench_config(base: Any, url: str, replicas: int = 1) -> Any:
 
 
 def write_bench_config(cfg: Any, path: Path) -> Path:
-    from embedfleet.deployments.config import config_to_data, parse_config
+    from ..deployments.config.schema import config_to_data, parse_config
 
     data = config_to_data(cfg)
     parse_config(data, str(path))  # what `embedfleet up --config` will load must validate
@@ -70,7 +70,7 @@ def ray_ports_taken() -> list[str]:
 
     `embedfleet up` would join a running head, and `embedfleet down` stops whatever head runs on
     this machine: starting a bench cluster beside someone else's Ray would end theirs."""
-    from embedfleet.deployments.settings import settings
+    from ..deployments.common.settings import settings
 
     s = settings()
     return [f"{host}:{port}" for port in (s.ray_port, s.dashboard_port)
@@ -103,9 +103,9 @@ class EmbedfleetPeer(OpenAIHttpPeer):
         """Every process of the Ray cluster behind the URL (found from the process listening on
         its port) and the Prometheus that `embedfleet up` started (its pid file in the state
         dir): see ``ray_cluster_scope.RayCluster``."""
-        from embedfleet.benchmarks.ray_cluster_scope import RayCluster
-        from embedfleet.cluster.prometheus_server import PID_NAME
-        from embedfleet.deployments.settings import settings
+        from .ray_cluster_scope import RayCluster
+        from ..cluster.prometheus_server import PID_NAME
+        from ..deployments.common.settings import settings
 
         if self._scope is None:  # located at its first reading, once the cluster is up
             self._scope = RayCluster(urlparse(self.base_url).port or 80,
@@ -196,7 +196,7 @@ class EmbedfleetPeer(OpenAIHttpPeer):
         """The request's way in, from the config the harness started the cluster with."""
         if not self.config_path.exists():
             return "the running cluster's own path"
-        from embedfleet.deployments.config import load_config
+        from ..deployments.config.schema import load_config
 
         if load_config(self.config_path).direct_ingress:  # router.ingress resolved to engine
             return "engine replica as the HTTP ingress -> vLLM, no Router"

@@ -42,17 +42,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from embedfleet.deployments.config import load_config
-from embedfleet.deployments.control.governor import MemoryGovernor
-from embedfleet.deployments.control.limits import LimitsFollower
-from embedfleet.deployments.control.memory_queries import CardReading
-from embedfleet.deployments.engine.card_memory import live_pressure
-from embedfleet.deployments.engine.card_profile import (CardProfile, load_profile,
-                                                        shipped_profile_path)
-from embedfleet.deployments.engine.gate import EngineGate
-from embedfleet.deployments.engine.kv_usage import KvUsageTracker
-from embedfleet.deployments.engine.vllm_engine import EngineMemory
-from embedfleet.deployments.request_path.admission import AdmissionBudget
+from ..deployments.config.schema import load_config
+from ..deployments.fleet.governor import MemoryGovernor
+from ..deployments.replica.limits import LimitsFollower
+from ..deployments.config.memory_queries import CardReading
+from ..deployments.engine.card_memory import live_pressure
+from ..deployments.engine.card_profile import (CardProfile, load_profile,
+                                               shipped_profile_path)
+from ..deployments.engine.gate import EngineGate
+from ..deployments.engine.kv_usage import KvUsageTracker
+from ..deployments.engine.vllm_engine import EngineMemory
+from ..deployments.replica.admission import AdmissionBudget
 
 EPOCH = 1_700_000_000.0  # the governor's wall clock: virtual seconds from this instant
 CONFIG = "deployments/configs/ascend-910b-qwen3-embedding-8b.yaml"

@@ -148,7 +148,7 @@ class Ways:
         import httpx
         from ray import serve
 
-        from embedfleet.deployments.options import engine_deployment_name
+        from ..deployments.config.ray_options import engine_deployment_name
 
         self.model = model
         self._http = httpx.Client(base_url=url, timeout=60)
@@ -159,7 +159,7 @@ class Ways:
         self._replica = self._object_store.options(_by_reference=False)
 
     def call(self, variant: str) -> Callable[[str], int]:
-        from embedfleet.deployments.contracts import BatchCall, EmbedCall
+        from ..deployments.common.contracts import BatchCall, EmbedCall
 
         def http(text: str) -> int:
             r = self._http.post("/v1/embeddings", json={"model": self.model, "input": [text]})
@@ -185,7 +185,7 @@ class Ways:
 
 
 def run_one(ways: Ways, variant: str, batch: list[str], meter_scopes: Mapping[str, Any]) -> Run:
-    from embedfleet.benchmarks.process_cpu import CpuMeter
+    from .process_cpu import CpuMeter
 
     call = ways.call(variant)
     dims = {call(t) for t in batch[:5]}  # warm the path (connections, handles) before measuring
@@ -217,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from embedfleet.benchmarks.process_cpu import OwnProcess
-    from embedfleet.benchmarks.ray_cluster_scope import RayCluster
-    from embedfleet.benchmarks.workloads import short_queries
-    from embedfleet.cluster.prometheus_server import PID_NAME
-    from embedfleet.deployments.settings import settings
+    from .process_cpu import OwnProcess
+    from .ray_cluster_scope import RayCluster
+    from .workloads import short_queries
+    from ..cluster.prometheus_server import PID_NAME
+    from ..deployments.common.settings import settings
 
     s = settings()
     ray.init(address="auto", logging_level="ERROR", log_to_driver=False)

@@ -37,7 +37,7 @@ SUMMARY_KEYS = ("texts_per_s", "p50_ms", "cpu_s_per_1k", "driver_cpu_s_per_1k")
 
 def ingress_config(mode: str, base: Path | None = None) -> dict[str, Any]:
     """The bundled local config (or ``base``) with ``router.http_ingress: mode``, validated."""
-    from embedfleet.deployments.config import DEFAULT_CONFIG_PATH, parse_config
+    from ..deployments.config.schema import DEFAULT_CONFIG_PATH, parse_config
 
     data = yaml.safe_load((base or DEFAULT_CONFIG_PATH).read_text())
     data.setdefault("router", {})["http_ingress"] = mode
@@ -49,7 +49,7 @@ def online_workload(requests: int, model_dir: Any, max_len: int) -> tuple[Any, i
     """The bench's ``online`` workload with ``requests`` texts, and its token count."""
     from transformers import AutoTokenizer
 
-    from embedfleet.benchmarks.workloads import FULL, build
+    from .workloads import FULL, build
 
     w = build("online", replace(FULL, online=requests), max_len=max_len)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -58,12 +58,12 @@ def online_workload(requests: int, model_dir: Any, max_len: int) -> tuple[Any, i
 
 async def online_run(port: int, model: str, workload: Any, tokens: int, repeat: int) -> dict:
     """One timed, metered run of ``workload`` against the local cluster (just started)."""
-    from embedfleet.benchmarks.load_driver import timed_run, warm_up
-    from embedfleet.benchmarks.peers import OpenAIHttpPeer
-    from embedfleet.benchmarks.process_cpu import CpuMeter, OwnProcess
-    from embedfleet.benchmarks.ray_cluster_scope import RayCluster
-    from embedfleet.cluster.prometheus_server import PID_NAME
-    from embedfleet.deployments.settings import settings
+    from .load_driver import timed_run, warm_up
+    from .peers import OpenAIHttpPeer
+    from .process_cpu import CpuMeter, OwnProcess
+    from .ray_cluster_scope import RayCluster
+    from ..cluster.prometheus_server import PID_NAME
+    from ..deployments.common.settings import settings
 
     peer = OpenAIHttpPeer("embedfleet", f"http://127.0.0.1:{port}", model, workload.concurrency)
     meter = CpuMeter({"peer": RayCluster(port, settings().state_dir / "prometheus" / PID_NAME),
@@ -97,7 +97,7 @@ def build_report(command: list[str], workload: Any, runs: list[dict[str, Any]]) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from embedfleet.deployments.config import parse_config
+    from ..deployments.config.schema import parse_config
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from embedfleet.deployments.request_path.admission import INTERACTIVE_RECENT_S
+from ..deployments.replica.admission import INTERACTIVE_RECENT_S
 
 PHASES = ("idle", "bulk", "mixed")
 GOALS = {"interactive_p99_ratio_max": 2.0, "bulk_throughput_ratio_min": 0.5}
@@ -166,8 +166,8 @@ async def run_lanes(*, url: str, out: Path, cores: list[int], repeats: int, quic
                     progress: Any) -> dict[str, Any]:
     """The `lanes` section of `embedfleet bench`: a 2-replica cluster started for it when nothing
     answers at ``url`` (stopped afterwards), the three phases per repeat, their medians."""
-    from embedfleet.benchmarks.embedfleet_peer import EmbedfleetPeer, bench_config
-    from embedfleet.deployments.config import load_config
+    from .embedfleet_peer import EmbedfleetPeer, bench_config
+    from ..deployments.config.schema import load_config
 
     cfg = bench_config(load_config(None), url, replicas=2)  # the shipped model on 2 cards
     model = cfg.models[0].name

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from embedfleet.benchmarks.report import run_record
-from embedfleet.benchmarks.workloads import Workload, batches
+from .report import run_record
+from .workloads import Workload, batches
 
 
 async def drive(send: Callable[[list[str]], Any], requests: list[list[str]], concurrency: int,

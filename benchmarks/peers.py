@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from embedfleet.benchmarks.workloads import Workload
+from .workloads import Workload
 
 REQUEST_TIMEOUT_S = 900
 NO_CHUNKING = ("no chunking: documents longer than the model's context would be rejected or "
@@ -65,7 +65,7 @@ class VllmInProcessPeer:
     """``VllmEmbeddingEngine`` with the config's engine kwargs, as benchmarks/throughput.py uses it.
 
     For the ``long`` workload it plans windows with embedfleet's own long-input code
-    (``embedfleet.deployments.request_path.long_input.plan``/``merge_planned``) and the model's config policy in ``chunk``
+    (``embedfleet.deployments.common.long_input.plan``/``merge_planned``) and the model's config policy in ``chunk``
     mode, so its vectors must equal embedfleet's; it is the engine-limit reference there.
     """
 
@@ -83,8 +83,8 @@ class VllmInProcessPeer:
         return None
 
     async def start(self) -> None:
-        from embedfleet.deployments.engine.vllm_engine import VllmEmbeddingEngine
-        from embedfleet.deployments.request_path.long_input import SpecialTokens
+        from ..deployments.engine.vllm_engine import VllmEmbeddingEngine
+        from ..deployments.common.long_input import SpecialTokens
 
         # bare: vLLM's own stat loggers (engine_counters reads them), no embedfleet probes
         self.engine = VllmEmbeddingEngine(dict(self.engine_kwargs), observed=False)
@@ -97,7 +97,7 @@ class VllmInProcessPeer:
         if not workload.chunked:
             return [e.vector for e in await self.engine.embed(ids, request_id=rid)]
         plans = prechunk(ids, self.engine.info.max_model_len, self.long_policy, self._special)
-        from embedfleet.deployments.request_path.long_input import flatten, merge_planned
+        from ..deployments.common.long_input import flatten, merge_planned
 
         out = await self.engine.embed(flatten(plans), request_id=rid)
         return merge_planned(plans, [e.vector for e in out], self.engine.info.normalizes)
@@ -111,7 +111,7 @@ class VllmInProcessPeer:
         """This process (AsyncLLM's front end: tokenising, output handling; and the load driver,
         which cannot be split from it) with its descendants (vLLM's engine core and workers),
         without the subtrees of the server peers it started (``vllm serve``, Infinity)."""
-        from embedfleet.benchmarks.process_cpu import ProcessTree
+        from .process_cpu import ProcessTree
 
         def servers() -> list[int]:
             return [pid for o in others if (pid := getattr(o, "server_pid", lambda: None)())]
@@ -155,7 +155,7 @@ class VllmInProcessPeer:
 
 def prechunk(token_ids: list[list[int]], max_len: int, policy: Any, special: Any) -> list[Any]:
     """embedfleet's chunk plan for each tokenised document (``policy`` forced to ``chunk``)."""
-    from embedfleet.deployments.request_path.long_input import plan
+    from ..deployments.common.long_input import plan
 
     chunking = policy.model_copy(update={"mode": "chunk"})
     return [plan(ids, max_len, chunking, special, what=f"input[{i}]")

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from embedfleet.benchmarks.load_driver import timed_run, warm_up
-from embedfleet.benchmarks.peers import VllmInProcessPeer
-from embedfleet.benchmarks.report import MIN_COSINE, min_cosine, ratio
-from embedfleet.benchmarks.workloads import Sizes, build
+from .load_driver import timed_run, warm_up
+from .peers import VllmInProcessPeer
+from .report import MIN_COSINE, min_cosine, ratio
+from .workloads import Sizes, build
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_QWEN3_DIR = ROOT / ".cache" / "models" / "tiny-qwen3"
@@ -32,7 +32,7 @@ VARIANTS = {"on": True, "off": False}
 
 def tiny_qwen3_config(model_dir: Path) -> Any:
     """The tiny Qwen3 as tests/configs/e2e-cpu.yaml serves it (4096 tokens, 128 MiB KV cache)."""
-    from embedfleet.deployments.config import parse_config
+    from ..deployments.config.schema import parse_config
 
     return parse_config({
         "platform": {"kind": "cpu"},
@@ -119,7 +119,7 @@ async def run_prefix_cache(*, sizes: Sizes, repeats: int, batch: int, concurrenc
     """Build the model if needed, run both engines alternately, return the report section."""
     from transformers import AutoTokenizer
 
-    from embedfleet.benchmarks.tiny_qwen3 import build_tiny_qwen3
+    from .tiny_qwen3 import build_tiny_qwen3
 
     model_dir = build_tiny_qwen3(TINY_QWEN3_DIR)
     cfg = tiny_qwen3_config(model_dir)

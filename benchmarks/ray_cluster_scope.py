@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from embedfleet.benchmarks.process_cpu import Proc, descendants, process_table
+from .process_cpu import Proc, descendants, process_table
 
 SESSION_RE = re.compile(r"--session-name=(session_[\w-]+)")
 NODE_ID_RE = re.compile(r"--node[_-]id=([0-9a-f]{16,})")

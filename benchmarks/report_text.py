@@ -9,7 +9,7 @@ import json
 import math
 from typing import Any
 
-from embedfleet.benchmarks.report import BASELINE, MIN_GOAL_REPEATS
+from .report import BASELINE, MIN_GOAL_REPEATS
 
 
 def _fmt(x: float | None, spec: str = ",.1f") -> str:

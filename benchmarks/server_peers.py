@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from embedfleet.benchmarks.peers import OpenAIHttpPeer, PeerUnavailable, cpu_env, port_in_use
-from embedfleet.deployments.engine.vllm_api import engine_process_env
+from .peers import OpenAIHttpPeer, PeerUnavailable, cpu_env, port_in_use
+from ..deployments.engine.vllm_api import engine_process_env
 
 ROOT = Path(__file__).resolve().parent.parent
 INFINITY_VENV = ROOT / ".venv-infinity"
@@ -141,7 +141,7 @@ class ServerPeer(OpenAIHttpPeer):
     def cpu_scope(self, others: list[Any]) -> Any:
         """The server subprocess and all its descendants (vLLM's engine core and workers, or
         Infinity's); the load driver is in the bench process, measured apart."""
-        from embedfleet.benchmarks.process_cpu import ProcessTree
+        from .process_cpu import ProcessTree
 
         return ProcessTree(lambda: [pid] if (pid := self.server_pid()) else [],
                            f"{self.name} server", what=f"the {self.name} server subprocess "

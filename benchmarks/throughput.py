@@ -49,7 +49,7 @@ def summarize(name: str, latencies: list[float], wall: float, texts: int,
 async def _drive(batches: list[list[str]], concurrency: int, send) -> tuple[list[float], float,
                                                                             int]:
     """embedfleet.benchmarks.load_driver.drive, also summing the token counts ``send`` returns."""
-    from embedfleet.benchmarks.load_driver import drive
+    from .load_driver import drive
 
     tokens = 0
 
@@ -62,8 +62,8 @@ async def _drive(batches: list[list[str]], concurrency: int, send) -> tuple[list
 
 
 async def run_vllm(texts: list[str], batch: int, concurrency: int, config: str | None) -> dict:
-    from embedfleet.deployments.config import load_config
-    from embedfleet.deployments.engine.vllm_engine import VllmEmbeddingEngine
+    from ..deployments.config.schema import load_config
+    from ..deployments.engine.vllm_engine import VllmEmbeddingEngine
 
     cfg = load_config(config)
     m = cfg.models[0]

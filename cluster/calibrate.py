@@ -36,10 +36,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from embedfleet.deployments.config import EmbedfleetConfig, ModelConfig, load_config
-from embedfleet.deployments.engine.card_profile import (AllocatorCounters, CardProfile,
-                                                        WorstStep, default_profile_path,
-                                                        save_profile)
+from ..deployments.config.schema import EmbedfleetConfig, ModelConfig, load_config
+from ..deployments.engine.card_profile import (AllocatorCounters, CardProfile,
+                                               WorstStep, default_profile_path,
+                                               save_profile)
 
 # The worst step twice on a card: the second run meets the allocator's state after the first
 # (cached segments, fragmentation). The CPU stand-in has no allocator state to meet: once.
@@ -122,8 +122,8 @@ async def measure(cfg: EmbedfleetConfig, m: ModelConfig, *, repeats: int | None 
                   log=print) -> Measurement:
     """Start the engine, read the card at idle, run the worst step, read it again; the engine
     and its processes are gone when this returns."""
-    from embedfleet.deployments.engine.card_memory import CpuCardModel, reading_from_probe
-    from embedfleet.deployments.engine.lifecycle import DEFAULT_ENGINE_FACTORY, EngineLifecycle
+    from ..deployments.engine.card_memory import CpuCardModel, reading_from_probe
+    from ..deployments.engine.lifecycle import DEFAULT_ENGINE_FACTORY, EngineLifecycle
 
     life = EngineLifecycle(DEFAULT_ENGINE_FACTORY,
                            lambda on: cfg.engine_kwargs(m, enable_prefix_caching=on))
@@ -170,7 +170,7 @@ async def measure(cfg: EmbedfleetConfig, m: ModelConfig, *, repeats: int | None 
 
 def build_profile(cfg: EmbedfleetConfig, m: ModelConfig, x: Measurement,
                   margin: int) -> CardProfile:
-    from embedfleet.deployments.engine.vllm_api import stack_versions
+    from ..deployments.engine.vllm_api import stack_versions
 
     v = stack_versions()
     plugin = v.vllm_ascend if cfg.platform.kind == "ascend" else None
@@ -202,7 +202,7 @@ def _pick_model(cfg: EmbedfleetConfig, name: str | None) -> ModelConfig:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from embedfleet.deployments.engine.card_memory import total_mismatch
+    from ..deployments.engine.card_memory import total_mismatch
 
     cfg = load_config(args.config)
     m = _pick_model(cfg, args.model)

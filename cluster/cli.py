@@ -11,16 +11,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from embedfleet.cluster import calibrate, doctor, embed_corpus, local, status
+from . import calibrate, doctor, embed_corpus, local, status
 
-from embedfleet.cluster.verify import command as verify
-from embedfleet.cluster.monitoring_stack import start_monitoring, stop_monitoring
-from embedfleet.cluster.render import load_serve_yaml, render_yaml, serve_config
-from embedfleet.deployments.config import ConfigError, EmbedfleetConfig, load_config
-from embedfleet.deployments.config_router import (RouterConfig, is_loopback, keys_required,
-                                                  open_bind_refusal)
-from embedfleet.deployments.options import ray_head_env
-from embedfleet.deployments.settings import settings
+from .verify import command as verify
+from .monitoring_stack import start_monitoring, stop_monitoring
+from .render import load_serve_yaml, render_yaml, serve_config
+from ..deployments.config.schema import ConfigError, EmbedfleetConfig, load_config
+from ..deployments.config.router import (RouterConfig, is_loopback, keys_required,
+                                         open_bind_refusal)
+from ..deployments.config.ray_options import ray_head_env
+from ..deployments.common.settings import settings
 
 
 def _config(args: argparse.Namespace) -> EmbedfleetConfig:
@@ -113,7 +113,7 @@ def keys_missing_here(cfg: EmbedfleetConfig) -> str | None:
     """Why the API keys the config names cannot be loaded on this machine, or None. `up` runs
     every node here (its nodes inherit this environment), so an ingress replica would fail to
     start for the same reason: say it now rather than after the wait for /ready."""
-    from embedfleet.deployments.api.auth import KeysError, load_keys
+    from ..deployments.ingress.auth import KeysError, load_keys
 
     try:
         load_keys(cfg.router.api_keys_file, cfg.router.api_keys_env, [m.name for m in cfg.models])
@@ -155,7 +155,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     local.stop_head()
     print("stopped the local Ray head (and Serve with it)")
     time.sleep(2)  # replicas' reapers kill their engines within a second of the replica's death
-    from embedfleet.deployments.engine.reaper import sweep_orphans
+    from ..deployments.engine.reaper import sweep_orphans
 
     if n := sweep_orphans():
         print(f"killed {n} orphaned engine process(es)")
@@ -183,7 +183,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} applies to "
                               f"{' / '.join('--' + k.replace('_', '-') for k in kinds)} only{why}")
     if args.kuberay or args.ray_cluster:
-        from embedfleet.cluster.manifests import cluster_spec, render_cluster_launcher, render_rayservice
+        from .manifests import cluster_spec, render_cluster_launcher, render_rayservice
 
         if cfg.platform.kind != "ascend":
             raise ConfigError(f"--kuberay/--ray-cluster render 910B manifests; this config has "
@@ -199,7 +199,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from embedfleet.benchmarks.bench import main as bench_main  # vLLM and matplotlib only when benchmarking
+    from ..benchmarks.bench import main as bench_main  # vLLM and matplotlib only when benchmarking
 
     return bench_main(args.bench_args)
 
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a KubeRay RayService manifest instead (ascend configs)")
     kind.add_argument("--ray-cluster", action="store_true",
                       help="a Ray cluster-launcher YAML for 910B nodes instead (ascend configs)")
-    from embedfleet.cluster.manifests import address_flag, image_flag, node_selector_flag
+    from .manifests import address_flag, image_flag, node_selector_flag
 
     # Overrides of the config's `cluster` section; without an image (and, for --ray-cluster,
     # head and worker addresses) from either, the render is refused unless --example.

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from embedfleet.cluster.corpus_input import CorpusError, Refusal
+from .corpus_input import CorpusError, Refusal
 
 PART_GLOB = "part-*.parquet"
 MIXED = "mixed"  # the calls of one block were answered by replicas of different fingerprints

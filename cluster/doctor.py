@@ -24,10 +24,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from embedfleet.deployments.engine import ascend_checks, ascend_release
-from embedfleet.deployments.config import ConfigError, EmbedfleetConfig, ModelConfig, parse_config
-from embedfleet.deployments.engine.card_memory import signal_floor_problems
-from embedfleet.deployments.engine.vllm_api import distribution_version, stack_versions
+from ..deployments.engine import ascend_checks, ascend_release
+from ..deployments.config.schema import ConfigError, EmbedfleetConfig, ModelConfig, parse_config
+from ..deployments.engine.card_memory import signal_floor_problems
+from ..deployments.engine.vllm_api import distribution_version, stack_versions
 
 CPU_IMPORT_BREAKERS = ("torchvision", "torchaudio", "torchcodec")
 
@@ -75,8 +75,8 @@ def effective_block_size(kind: str, configured: int, prefix_cache: bool | None,
 
 
 def _model(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str, Any]:
-    from embedfleet.deployments.engine.platform import platform_facts
-    from embedfleet.deployments.engine.prefix_cache_policy import PrefixCacheRefused, evaluate, resolve
+    from ..deployments.engine.platform import platform_facts
+    from ..deployments.engine.prefix_cache_policy import PrefixCacheRefused, evaluate, resolve
 
     configured = m.engine.block_size or cfg.platform.default_block_size
     out: dict[str, Any] = {"model": m.name, "prefix_cache_setting": m.prefix_cache}
@@ -90,7 +90,7 @@ def _model(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str, Any]:
         out["block_size"], out["block_size_why"] = effective_block_size(
             cfg.platform.kind, configured, None, None)
         return out
-    from embedfleet.deployments.engine.model_facts import read_model_facts
+    from ..deployments.engine.model_facts import read_model_facts
 
     facts = read_model_facts(model_dir, kv_cache_dtype=m.engine.kv_cache_dtype)
     platform = platform_facts(cfg.platform.kind)
@@ -113,7 +113,7 @@ def profile_status(cfg: EmbedfleetConfig, m: ModelConfig,
                    now: float | None = None) -> dict[str, Any]:
     """The card profile the governor will read for ``m`` (``card_profile.resolve_profile``):
     where it is, measured or assumed, when and how long ago, and whether its worst step fits."""
-    from embedfleet.deployments.engine.card_profile import default_profile_path, resolve_profile
+    from ..deployments.engine.card_profile import default_profile_path, resolve_profile
 
     now = time.time() if now is None else now
     named = cfg.governor.card_profiles.get(m.name)
@@ -150,7 +150,7 @@ def profile_line(status: dict[str, Any]) -> str:
 
 
 def _governor(cfg: EmbedfleetConfig, timeout_s: float) -> dict[str, Any]:
-    from embedfleet.deployments.control.memory_queries import PrometheusUnavailable, query_card_ratios
+    from ..deployments.config.memory_queries import PrometheusUnavailable, query_card_ratios
 
     q = cfg.governor.card_query()
     out: dict[str, Any] = {"preset": cfg.governor.query_preset, "query": q.ratio,
@@ -287,7 +287,7 @@ def render_text(r: Report) -> str:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import yaml
 
-    from embedfleet.deployments.config import DEFAULT_CONFIG_PATH
+    from ..deployments.config.schema import DEFAULT_CONFIG_PATH
 
     path = args.config or str(DEFAULT_CONFIG_PATH)
     try:

@@ -45,11 +45,11 @@ from typing import Any, get_args
 
 import numpy as np
 
-from embedfleet.cluster.corpus_input import (CorpusError, Refusal, id_problem, input_files,
-                                             missing, parse_line, scan, text_problem)
-from embedfleet.cluster.corpus_out import (ERRORS, MIXED, ErrorLog, OutLock, Progress,
-                                           finished_parts, take_block)
-from embedfleet.deployments.request_path.long_input import LongInputMode
+from .corpus_input import (CorpusError, Refusal, id_problem, input_files,
+                           missing, parse_line, scan, text_problem)
+from .corpus_out import (ERRORS, MIXED, ErrorLog, OutLock, Progress,
+                         finished_parts, take_block)
+from ..deployments.common.long_input import LongInputMode
 
 RETRYABLE_STATUS = (429, 503)
 # Statuses a single row can cause (a text too long, a call's text too large in all); any other
@@ -110,9 +110,9 @@ class BatchEmbedder:
         """One call, retried while the fleet answers 429/503; other refusals are raised."""
         from ray.serve.exceptions import BackPressureError
 
-        from embedfleet.deployments.contracts import BatchCall
-        from embedfleet.deployments.errors import EmbedfleetError
-        from embedfleet.deployments.request_path.remote import REPLICA_GONE
+        from ..deployments.common.contracts import BatchCall
+        from ..deployments.common.errors import EmbedfleetError
+        from ..deployments.ingress.remote import REPLICA_GONE
 
         call = BatchCall(self.settings.model, texts, prompt, "bulk", self.settings.long_input)
         deadline = time.monotonic() + self.settings.max_retry_s
@@ -134,7 +134,7 @@ class BatchEmbedder:
                    ids: list[Any]) -> tuple[dict[int, tuple[np.ndarray, int]], list[str],
                                             list[Refusal]]:
         """The rows ``run`` (one prompt): their vectors, the calls' fingerprints, the refused."""
-        from embedfleet.deployments.errors import EmbedfleetError
+        from ..deployments.common.errors import EmbedfleetError
 
         got: dict[int, tuple[np.ndarray, int]] = {}
         prints: list[str] = []
@@ -323,7 +323,7 @@ def corpus_error(exc: BaseException) -> str | None:
 
 
 def cmd_embed_corpus(args: argparse.Namespace) -> int:
-    from embedfleet.deployments.request_path.pipeline import SLICE_INPUTS
+    from ..deployments.ingress.pipeline import SLICE_INPUTS
 
     # One call is one slice of the pipeline, so a refusal's input[k] names the row.
     if not 1 <= args.batch_size <= SLICE_INPUTS or args.inflight < 1 or args.workers < 1:

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from embedfleet.deployments.settings import settings
+from ..deployments.common.settings import settings
 
 RAY = str(Path(sys.executable).with_name("ray"))
 

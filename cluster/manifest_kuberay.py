@@ -16,20 +16,20 @@ from typing import Any
 
 import yaml
 
-from embedfleet.cluster.manifest_security import (cluster_router_data, container_security,
-                                                  gcs_fault_tolerance, keys_mounted,
-                                                  keys_volume, pod_labels, pod_security,
-                                                  ray_network_policy, redis_manifests,
-                                                  shm_volume)
-from embedfleet.cluster.manifest_spec import (ASCEND_ENV, DASHBOARD_PORT, HEAD_PORT,
-                                              HF_HOME_IN_CONTAINER, METRICS_PORT, RAY_VERSION,
-                                              AscendClusterSpec, cards_per_node, cluster_spec,
-                                              require_ascend, require_given, resources_json,
-                                              worker_bounds)
-from embedfleet.cluster.render import serve_config
-from embedfleet.deployments.config import ConfigError, EmbedfleetConfig
-from embedfleet.deployments.config_router import RouterConfig
-from embedfleet.deployments.options import ray_head_env, ray_node_env
+from .manifest_security import (cluster_router_data, container_security,
+                                gcs_fault_tolerance, keys_mounted,
+                                keys_volume, pod_labels, pod_security,
+                                ray_network_policy, redis_manifests,
+                                shm_volume)
+from .manifest_spec import (ASCEND_ENV, DASHBOARD_PORT, HEAD_PORT,
+                            HF_HOME_IN_CONTAINER, METRICS_PORT, RAY_VERSION,
+                            AscendClusterSpec, cards_per_node, cluster_spec,
+                            require_ascend, require_given, resources_json,
+                            worker_bounds)
+from .render import serve_config
+from ..deployments.config.schema import ConfigError, EmbedfleetConfig
+from ..deployments.config.router import RouterConfig
+from ..deployments.config.ray_options import ray_head_env, ray_node_env
 
 
 def _ray_start_resources(cfg: EmbedfleetConfig, cards: int) -> str:

@@ -13,17 +13,17 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from embedfleet.cluster.manifest_spec import (ASCEND_DRIVER_MOUNTS, ASCEND_ENV,
-                                              ASCEND_MANAGEMENT_DEVICES, HEAD_PORT,
-                                              HF_HOME_IN_CONTAINER, METRICS_PORT,
-                                              AscendClusterSpec, cards_per_node, cluster_spec,
-                                              require_ascend, require_given, resources_json)
-from embedfleet.cluster.manifest_security import (AUTH_EXPORT, RAY_TOKEN_ENV,
-                                                  launcher_redis_env, launcher_redis_flag,
-                                                  launcher_secret_mounts)
-from embedfleet.deployments.config import ConfigError, EmbedfleetConfig
-from embedfleet.deployments.config_router import is_loopback
-from embedfleet.deployments.options import ray_head_env, ray_node_env
+from .manifest_spec import (ASCEND_DRIVER_MOUNTS, ASCEND_ENV,
+                            ASCEND_MANAGEMENT_DEVICES, HEAD_PORT,
+                            HF_HOME_IN_CONTAINER, METRICS_PORT,
+                            AscendClusterSpec, cards_per_node, cluster_spec,
+                            require_ascend, require_given, resources_json)
+from .manifest_security import (AUTH_EXPORT, RAY_TOKEN_ENV,
+                                launcher_redis_env, launcher_redis_flag,
+                                launcher_secret_mounts)
+from ..deployments.config.schema import ConfigError, EmbedfleetConfig
+from ..deployments.config.router import is_loopback
+from ..deployments.config.ray_options import ray_head_env, ray_node_env
 
 
 def cluster_launcher_config(cfg: EmbedfleetConfig,

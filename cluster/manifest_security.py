@@ -12,14 +12,14 @@ take their security parts from here, so the rules live in one place and the rend
 * API keys that travel with the deployment: on KubeRay a Secret mounted read-only on every pod
   and named as ``router.api_keys_file`` in the Serve config; on the launcher the config's keys
   file synced to every node. Every ingress replica then finds them, and one that does not fails
-  to start (``deployments/api/auth.py``).
+  to start (``deployments/ingress/auth.py``).
 * KubeRay pods: no privilege escalation, every capability dropped (workers keep DAC_OVERRIDE
   only, see ``WORKER_CAPABILITIES``), the head as a non-root user, the weights' hostPath
   read-only, a bounded ``/dev/shm``, and a NetworkPolicy admitting from outside the cluster's
   own pods only the HTTP ingress, Prometheus' scrape and the KubeRay operator.
 * GCS fault tolerance with an external Redis (KubeRay's ``gcsFaultToleranceOptions``), so the
   state kept in Ray's internal KV (the prefix-cache overrides, the governor's last limits:
-  ``deployments/control/durable.py``) survives a head restart. Without ``cluster.redis_address``
+  ``deployments/fleet/durable.py``) survives a head restart. Without ``cluster.redis_address``
   the render adds a small Redis (one pod, append-only file on a PersistentVolumeClaim).
 
 Secret values are never rendered: the operator creates the Secrets (the manifest header says
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from embedfleet.cluster.manifest_spec import DASHBOARD_PORT, METRICS_PORT, AscendClusterSpec
-from embedfleet.deployments.config import EmbedfleetConfig
+from .manifest_spec import DASHBOARD_PORT, METRICS_PORT, AscendClusterSpec
+from ..deployments.config.schema import EmbedfleetConfig
 
 # Where the API keys Secret is mounted on every KubeRay pod (a directory: Kubernetes refreshes a
 # Secret volume's files in place, which a subPath mount would not).

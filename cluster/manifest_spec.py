@@ -1,7 +1,7 @@
 """What every 910B cluster manifest shares: the spec of where and on what the cluster runs.
 
 ``cluster_spec`` merges the config's ``cluster`` section
-(``embedfleet.deployments.config_cluster.ClusterDeployConfig``) with the ``embedfleet render``
+(``embedfleet.deployments.config.cluster.ClusterDeployConfig``) with the ``embedfleet render``
 flags into an ``AscendClusterSpec``, which also holds the facts with sound defaults (pod sizes,
 device-plugin resource, cache folder); ``image_flag``, ``address_flag`` and ``node_selector_flag``
 check each flag by the same section's rules. Also here: the node facts both manifests use (Ray
@@ -22,10 +22,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from embedfleet.deployments.config import ConfigError, EmbedfleetConfig
-from embedfleet.deployments.config_cluster import ClusterDeployConfig
-from embedfleet.deployments.engine.ascend_release import RAY
-from embedfleet.deployments.engine.platform import ASCEND_ENGINE_ENV
+from ..deployments.config.schema import ConfigError, EmbedfleetConfig
+from ..deployments.config.cluster import ClusterDeployConfig
+from ..deployments.engine.ascend_release import RAY
+from ..deployments.engine.platform import ASCEND_ENGINE_ENV
 
 # The Ascend stack's ray[serve,data] pin (the `ascend` extra): head, workers and the image must all
 # run it. Not the CPU stack's 2.60.0, which cannot resolve beside vllm-ascend's fastapi bound.

@@ -10,11 +10,11 @@ Two ways to run the same Serve application on 910B nodes (8 cards each):
 
 In both, the head node advertises no cards (``NPU: 0``) so no engine replica lands on it, and each
 worker advertises its cards as Ray's ``NPU`` resource, the one the engine replicas ask for
-(``embedfleet.deployments.options.card_actor_options``). How many worker nodes follows from the
+(``embedfleet.deployments.config.ray_options.card_actor_options``). How many worker nodes follows from the
 config: the sum of the models' replica bounds divided by the cards per node.
 
 Where the cluster runs (image, node addresses, node selectors, cards per node) comes from the
-config's ``cluster`` section (``embedfleet.deployments.config_cluster.ClusterDeployConfig``),
+config's ``cluster`` section (``embedfleet.deployments.config.cluster.ClusterDeployConfig``),
 overridden by the ``embedfleet render`` flags; ``cluster_spec`` merges them into an
 ``AscendClusterSpec``, which also holds the facts with sound defaults (pod sizes, device-plugin
 resource, cache folder). Nothing that must be real is guessed: without an image (and, for the
@@ -38,16 +38,16 @@ from typing import Any
 
 import yaml
 
-from embedfleet.cluster.manifest_kuberay import kuberay_manifests
-from embedfleet.cluster.manifest_security import secret_commands
-from embedfleet.cluster.manifest_launcher import cluster_launcher_config
-from embedfleet.cluster.manifest_spec import (EXAMPLE_HEAD_IP, EXAMPLE_IMAGE, RAY_VERSION,
-                                              SOURCES, AscendClusterSpec, address_flag,
-                                              cluster_spec, image_flag, node_selector_flag)
-from embedfleet.cluster.render import render_yaml
-from embedfleet.deployments.config import EmbedfleetConfig, load_config
+from .manifest_kuberay import kuberay_manifests
+from .manifest_security import secret_commands
+from .manifest_launcher import cluster_launcher_config
+from .manifest_spec import (EXAMPLE_HEAD_IP, EXAMPLE_IMAGE, RAY_VERSION,
+                            SOURCES, AscendClusterSpec, address_flag,
+                            cluster_spec, image_flag, node_selector_flag)
+from .render import render_yaml
+from ..deployments.config.schema import EmbedfleetConfig, load_config
 # The CANN release the pinned vllm-ascend requires, which the image must carry.
-from embedfleet.deployments.engine.ascend_release import CANN_VERSION, VLLM_ASCEND_VERSION
+from ..deployments.engine.ascend_release import CANN_VERSION, VLLM_ASCEND_VERSION
 
 # What `embedfleet render` uses: the two renders, and (from manifest_spec) the spec merge and the
 # flag checks, so the CLI has one module to import.

@@ -13,16 +13,16 @@ import time
 import httpx
 import yaml
 
-from embedfleet.cluster.prometheus_server import (
-    CONFIG_NAME,
-    PrometheusStartError,
-    find_binary,
-    start_prometheus,
+from .prometheus_server import (
+CONFIG_NAME,
+PrometheusStartError,
+find_binary,
+start_prometheus,
 )
-from embedfleet.cluster.prometheus_server import stop_from_pidfile
-from embedfleet.deployments.config import EmbedfleetConfig
-from embedfleet.deployments.settings import settings
-from embedfleet.monitoring.prometheus.config import render_prometheus_config
+from .prometheus_server import stop_from_pidfile
+from ..deployments.config.schema import EmbedfleetConfig
+from ..deployments.common.settings import settings
+from ..monitoring.prometheus.config import render_prometheus_config
 
 
 def _data_dir():

@@ -1,7 +1,7 @@
 """`embedfleet status` and `embedfleet prefix-cache`: what is deployed, read from the cluster.
 
 Nothing here reads a config file: every Serve application that carries an embedfleet
-FleetRegistry is asked for its ``FleetStatus`` (assembled by ``control.status``, the same code
+FleetRegistry is asked for its ``FleetStatus`` (assembled by ``fleet.status``, the same code
 behind `/v1/models` and `/ready`), and Serve adds its own word on each deployment (replica
 states, messages).
 """
@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from embedfleet.deployments.contracts import FleetStatus, ModelStatus
-from embedfleet.deployments.options import REGISTRY_NAME, engine_deployment_name
+from ..deployments.common.contracts import FleetStatus, ModelStatus
+from ..deployments.config.ray_options import REGISTRY_NAME, engine_deployment_name
 
 
 class ServeView(BaseModel):
@@ -68,7 +68,7 @@ def collect(address: str | None = None, app: str | None = None) -> list[AppStatu
     """Every embedfleet application deployed (or just ``app``), from the running cluster."""
     from ray import serve
 
-    from embedfleet.deployments.control.placement import pending_replica_actors
+    from ..deployments.fleet.placement import pending_replica_actors
 
     connect(address)
     out = []

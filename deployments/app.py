@@ -2,7 +2,7 @@
 
 The Serve YAML rendered by ``embedfleet render`` points here and carries the whole config as
 ``args.config``; this builder validates it (same schema, same errors) and binds the deployments
-with the options from ``deployments/options.py``.
+with the options from ``deployments/config/ray_options.py``.
 """
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from embedfleet.deployments.config import ConfigError, EmbedfleetConfig, config_to_data, parse_config
-from embedfleet.deployments.control.governor import MemoryGovernor
-from embedfleet.deployments.options import (
-    engine_deployment_options,
-    governor_deployment_options,
-    registry_deployment_options,
-    router_deployment_options,
+from .config.schema import ConfigError, EmbedfleetConfig, config_to_data, parse_config
+from .fleet.governor import MemoryGovernor
+from .config.ray_options import (
+engine_deployment_options,
+governor_deployment_options,
+registry_deployment_options,
+router_deployment_options,
 )
-from embedfleet.deployments.control.registry import FleetRegistry
-from embedfleet.deployments.engine.lifecycle import DEFAULT_ENGINE_FACTORY
-from embedfleet.deployments.replica import EngineReplica
-from embedfleet.deployments.api.direct import direct_deployment
-from embedfleet.deployments.api.router import router_deployment
+from .fleet.registry import FleetRegistry
+from .engine.lifecycle import DEFAULT_ENGINE_FACTORY
+from .replica.engine_replica import EngineReplica
+from .ingress.direct import direct_deployment
+from .ingress.router import router_deployment
 
 
 def build(cfg: EmbedfleetConfig,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from embedfleet.monitoring.grafana import dashboard
-from embedfleet.monitoring.prometheus import generate as prometheus
+from .grafana import dashboard
+from .prometheus import generate as prometheus
 
 
 def outputs() -> dict[Path, str]:

@@ -7,7 +7,7 @@ the alert and the dashboard all read one definition of, say, "card memory ratio"
 
 from __future__ import annotations
 
-from embedfleet.monitoring import thresholds
+from . import thresholds
 
 # Per model (label: model).
 REQUESTS_RATE = "model:embedfleet_requests:rate5m"

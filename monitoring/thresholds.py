@@ -1,7 +1,7 @@
 """Every threshold, duration and selector of embedfleet's monitoring, with why it has its value.
 
 Rules, alerts, the dashboard and the promtool tests are built from these names; the memory
-governor's defaults (``embedfleet.deployments.control.governor_law.GovernorParams``) must agree with the card-memory
+governor's defaults (``embedfleet.deployments.fleet.governor_law.GovernorParams``) must agree with the card-memory
 band here, and a test checks that they do. Durations are Prometheus duration strings because they
 go straight into rule YAML.
 """
@@ -72,7 +72,7 @@ GOVERNOR_STALE_FOR = "2m"
 # cosine it fails: the cache changed the result (vllm-ascend's own prefix-cache test accepts
 # 1e-2; the corruption it guards against reads ~0.58). Between it and the replica's calibrated
 # floor (embedfleet_canary_floor) the verdict is inconclusive, not a failure. Equal to
-# deployments/control/canary.py's FAIL_COSINE (a test checks).
+# deployments/replica/canary.py's FAIL_COSINE (a test checks).
 CANARY_FAIL_COSINE = 0.99
 # A failed canary means wrong vectors may have been served: alert at once. The failure counter
 # lives in replicas that restart right after it (with caching off), so the rule looks back this

@@ -70,7 +70,7 @@ def write_serve_config() -> Path:
     import yaml
 
     from embedfleet.cluster.render import serve_config
-    from embedfleet.deployments.config import load_config
+    from embedfleet.deployments.config.schema import load_config
     from tests.support.fault_injectors import ARM_FILE_ENV
 
     cfg = load_config(E2E_CONFIG)

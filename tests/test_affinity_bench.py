@@ -9,7 +9,7 @@ from embedfleet.benchmarks.affinity_bench import (INSTRUCTIONS, KV_BYTES_PER_TOK
                                                   VARIANTS, cluster_config, instructions,
                                                   requests_for, summarize)
 from embedfleet.benchmarks.tiny_qwen3 import CONFIG as TINY_QWEN3
-from embedfleet.deployments.options import AFFINITY_ROUTER_CLASS, engine_deployment_options
+from embedfleet.deployments.config.ray_options import AFFINITY_ROUTER_CLASS, engine_deployment_options
 
 
 def test_the_two_models_differ_only_in_their_router():

@@ -10,12 +10,12 @@ import pytest
 from fastapi import FastAPI, Request
 from starlette.testclient import TestClient
 
-from embedfleet.deployments.api.auth import (MIN_KEY_CHARS, ApiKeyMiddleware, ApiKeys, KeyLimits,
+from embedfleet.deployments.ingress.auth import (MIN_KEY_CHARS, ApiKeyMiddleware, ApiKeys, KeyLimits,
                                              KeyRing, KeysError, check_model_allowed, key_matches,
                                              load_api_keys, load_keys, parse_keys_file)
-from embedfleet.deployments.api.router import new_api, serve_api_keys
-from embedfleet.deployments.config import DEFAULT_CONFIG_PATH, load_config
-from embedfleet.deployments.errors import EmbedfleetError, error_response
+from embedfleet.deployments.ingress.router import new_api, serve_api_keys
+from embedfleet.deployments.config.schema import DEFAULT_CONFIG_PATH, load_config
+from embedfleet.deployments.common.errors import EmbedfleetError, error_response
 
 ONE, TWO = "sk-one-0123456789abcdef", "sk-two-0123456789abcdef"
 
@@ -272,9 +272,9 @@ def test_a_direct_ingress_replica_fails_on_missing_keys_before_it_loads_an_engin
     without them costs no engine start (minutes on a card) before the replica fails."""
     import asyncio
 
-    from embedfleet.deployments.api.direct import DirectEngineCore
-    from embedfleet.deployments.config import config_to_data
-    from embedfleet.deployments.replica import EngineReplica
+    from embedfleet.deployments.ingress.direct import DirectEngineCore
+    from embedfleet.deployments.config.schema import config_to_data
+    from embedfleet.deployments.replica.engine_replica import EngineReplica
 
     async def no_engine(*a, **k):
         raise AssertionError("the engine replica started before its keys were checked")

@@ -31,7 +31,7 @@ from embedfleet.benchmarks.peers import (
 )
 from embedfleet.benchmarks.prefix_cache_bench import engine_deltas, summarize_variants
 from embedfleet.benchmarks.server_peers import serve_flags
-from embedfleet.deployments.config import load_config
+from embedfleet.deployments.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -186,7 +186,7 @@ def test_chart_is_a_png(tmp_path):
 
 # -- chunking: the vllm peer's windows are embedfleet's ------------------------------------------
 def test_prechunk_matches_embedfleet_long_input(cfg, minilm_tokenizer):
-    from embedfleet.deployments.request_path.long_input import SpecialTokens, plan
+    from embedfleet.deployments.common.long_input import SpecialTokens, plan
 
     m = cfg.models[0]
     special = SpecialTokens.from_tokenizer(minilm_tokenizer)
@@ -250,7 +250,7 @@ def test_bench_config_is_one_model_one_card_one_replica(cfg, tmp_path):
 
 
 def test_embedfleet_requests_are_valid_for_embedfleets_own_parser(cfg, tmp_path):
-    from embedfleet.deployments.api.openai import embedding_response, parse_embedding_request
+    from embedfleet.deployments.ingress.openai import embedding_response, parse_embedding_request
 
     peer = EmbedfleetPeer("http://127.0.0.1:8000", "all-minilm-l6-v2", 4, cfg, tmp_path, [0])
     for name in wl.NAMES:

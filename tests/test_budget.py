@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from embedfleet.deployments.request_path.admission import (REJECT_QUEUE_FULL, REJECT_QUEUE_TIMEOUT, Admission,
+from embedfleet.deployments.replica.admission import (REJECT_QUEUE_FULL, REJECT_QUEUE_TIMEOUT, Admission,
                                 AdmissionBudget)
-from embedfleet.deployments.errors import Overloaded
+from embedfleet.deployments.common.errors import Overloaded
 
 
 def run(coro):

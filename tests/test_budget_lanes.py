@@ -1,5 +1,5 @@
 """The owner queue's two lanes: interactive ahead of bulk, bulk capped in flight and in the queue,
-and a guaranteed minimum share for bulk while both lanes wait (request_path/admission.py)."""
+and a guaranteed minimum share for bulk while both lanes wait (replica/admission.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from embedfleet.deployments.errors import Overloaded
-from embedfleet.deployments.request_path.admission import (
+from embedfleet.deployments.common.errors import Overloaded
+from embedfleet.deployments.replica.admission import (
     REJECT_BULK_QUEUE_FULL,
     REJECT_QUEUE_TIMEOUT,
     AdmissionBudget,

@@ -1,5 +1,5 @@
 """Bulk's in-flight cap in time, not only in tokens: while interactive calls come, the card's
-measured drain rate times ``bulk_max_drain_s`` (request_path/drain_rate.py, admission.py)."""
+measured drain rate times ``bulk_max_drain_s`` (replica/drain_rate.py, admission.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from embedfleet.deployments.config import ConfigError, parse_config
-from embedfleet.deployments.request_path.admission import INTERACTIVE_RECENT_S, AdmissionBudget
-from embedfleet.deployments.request_path.drain_rate import DrainRate
+from embedfleet.deployments.config.schema import ConfigError, parse_config
+from embedfleet.deployments.replica.admission import INTERACTIVE_RECENT_S, AdmissionBudget
+from embedfleet.deployments.replica.drain_rate import DrainRate
 from tests.support.admission_clock import Clock
 from tests.support.admission_clock import measure as _measure
 
@@ -48,7 +48,7 @@ def test_drain_rate_waits_for_a_whole_window():
 def test_the_cap_follows_the_peak_rate_not_the_capped_one():
     """Small runs measure a slower card; the capacity the cap is sized from keeps the peak and
     forgets it by half every PEAK_HALF_LIFE_S, and a faster window raises it at once."""
-    from embedfleet.deployments.request_path.drain_rate import PEAK_HALF_LIFE_S
+    from embedfleet.deployments.replica.drain_rate import PEAK_HALF_LIFE_S
 
     clock = Clock()
     d = DrainRate(window_s=1.0, clock=clock)
@@ -77,7 +77,7 @@ def test_queries_alone_do_not_size_the_cap_and_capped_time_does_not_age_it():
     """A replica that saw only light query traffic measured ~1,000 tokens/s, which is its load,
     not its card: the first flood would start in tiny runs and stay near that fixed point. And a
     peak that aged under the cap would sink to it within hours of a flood beside queries."""
-    from embedfleet.deployments.request_path.drain_rate import PEAK_HALF_LIFE_S
+    from embedfleet.deployments.replica.drain_rate import PEAK_HALF_LIFE_S
 
     async def main():
         clock = Clock()

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from embedfleet.deployments.contracts import EmbedCall
+from embedfleet.deployments.common.contracts import EmbedCall
 from embedfleet.deployments.engine.vllm_engine import Embedding
-from embedfleet.deployments.request_path.admission import INTERACTIVE_RECENT_S, AdmissionBudget
-from embedfleet.deployments.request_path.replica_path import RequestPath
+from embedfleet.deployments.replica.admission import INTERACTIVE_RECENT_S, AdmissionBudget
+from embedfleet.deployments.replica.request_path import RequestPath
 from tests.support.admission_clock import Clock, measure
 from tests.support.request_path_standins import gate_of, request_path_over
 
@@ -133,7 +133,7 @@ def test_a_calls_later_runs_are_not_refused_by_the_waiting_limits():
     """The bulk lane holds one waiting call (bulk_max_waiting=1), and a second call is refused;
     the first call's later runs queue past that limit, at the head of the lane: work already
     done is not thrown away by a 429."""
-    from embedfleet.deployments.errors import Overloaded
+    from embedfleet.deployments.common.errors import Overloaded
 
     budget = budget_with_cap(1000, 0.05, max_waiting=2, bulk_max_waiting=1)  # 5 pieces a run
     first, engine = make_path(budget, pieces_of(20, 10))

@@ -19,7 +19,7 @@ import yaml
 from embedfleet.cluster import calibrate
 from embedfleet.cluster.calibrate import Measurement, default_margin, judge, worst_step
 from embedfleet.deployments.engine.card_profile import WorstStep, load_profile
-from embedfleet.deployments.settings import settings
+from embedfleet.deployments.common.settings import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB, MiB = 1 << 30, 1 << 20

@@ -15,10 +15,10 @@ import hashlib
 import numpy as np
 import pytest
 
-from embedfleet.deployments import metrics
-from embedfleet.deployments.contracts import CanaryView
-from embedfleet.deployments.control import canary
-from embedfleet.deployments.control.prefix_cache import PrefixCacheController
+from embedfleet.deployments.common import metrics
+from embedfleet.deployments.common.contracts import CanaryView
+from embedfleet.deployments.replica import canary
+from embedfleet.deployments.replica.prefix_cache import PrefixCacheController
 from embedfleet.deployments.engine.gate import EngineGate
 from embedfleet.deployments.engine.vllm_engine import Embedding
 

@@ -22,9 +22,9 @@ import pytest
 import yaml
 from embedfleet.benchmarks import chaos, chaos_targets
 from embedfleet.benchmarks.chaos_load import send
-from embedfleet.deployments.api.openai import parse_embedding_request
-from embedfleet.deployments.config import parse_config
-from embedfleet.deployments.options import serve_queue_limits
+from embedfleet.deployments.ingress.openai import parse_embedding_request
+from embedfleet.deployments.config.schema import parse_config
+from embedfleet.deployments.config.ray_options import serve_queue_limits
 from ray.util.state.common import ActorState
 
 S = chaos.Sample

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from embedfleet.deployments.api.openai import parse_embedding_request, to_pipeline
-from embedfleet.deployments.api.tei import parse_tei_embed_request, tei_to_pipeline
-from embedfleet.deployments.errors import InvalidParameterValue, RequestValidation
-from embedfleet.deployments.request_path.long_input import LongInputPolicy, SpecialTokens, plan
-from embedfleet.deployments.request_path.pipeline import request_policy
+from embedfleet.deployments.ingress.openai import parse_embedding_request, to_pipeline
+from embedfleet.deployments.ingress.tei import parse_tei_embed_request, tei_to_pipeline
+from embedfleet.deployments.common.errors import InvalidParameterValue, RequestValidation
+from embedfleet.deployments.common.long_input import LongInputPolicy, SpecialTokens, plan
+from embedfleet.deployments.ingress.pipeline import request_policy
 
 MODEL = LongInputPolicy(mode="chunk", chunk_tokens=64, chunk_overlap=8)
 

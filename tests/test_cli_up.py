@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from embedfleet.cluster import cli, local
-from embedfleet.deployments.config import DEFAULT_CONFIG_PATH
+from embedfleet.deployments.config.schema import DEFAULT_CONFIG_PATH
 
 
 def two_models_on(cards: int, tmp_path):

@@ -12,9 +12,9 @@ import yaml
 
 from embedfleet.cluster import cli, local
 from embedfleet.cluster.render import render_yaml
-from embedfleet.deployments.config import (DEFAULT_CONFIG_PATH, ConfigError, RouterConfig,
+from embedfleet.deployments.config.schema import (DEFAULT_CONFIG_PATH, ConfigError, RouterConfig,
                                            load_config)
-from embedfleet.deployments.config_router import is_loopback, open_bind_refusal
+from embedfleet.deployments.config.router import is_loopback, open_bind_refusal
 
 KEYS = "/etc/embedfleet/keys"  # not read by render or deploy: the config says keys are required
 

@@ -1,4 +1,4 @@
-"""The router's bound on a call whose model has no ready replica (deployments/request_path/cold_start.py)."""
+"""The router's bound on a call whose model has no ready replica (deployments/ingress/cold_start.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from embedfleet.deployments.request_path.cold_start import HoldExpired, await_with_hold
+from embedfleet.deployments.ingress.cold_start import HoldExpired, await_with_hold
 
 
 def run(coro):
@@ -69,7 +69,7 @@ def test_errors_of_the_call_pass_through():
 def test_a_queued_call_is_refused_once_its_model_becomes_unservable():
     # Serve would keep it queued for request_timeout_s (here 30 s) waiting for a replica that
     # will not come; the readiness view says so after ~1.2 s and the call ends within a second.
-    from embedfleet.deployments.request_path.cold_start import Refused
+    from embedfleet.deployments.ingress.cold_start import Refused
 
     t0 = time.monotonic()
 

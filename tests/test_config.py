@@ -11,7 +11,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from embedfleet.cluster.render import config_from_serve_yaml, render_yaml, serve_config
-from embedfleet.deployments.config import (
+from embedfleet.deployments.config.schema import (
     CONFIG_DIR,
     ConfigError,
     DEFAULT_CONFIG_PATH,

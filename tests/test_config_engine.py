@@ -9,7 +9,7 @@ from typing import get_args
 
 import pytest
 
-from embedfleet.deployments.config import ConfigError, KvCacheDtype, parse_config
+from embedfleet.deployments.config.schema import ConfigError, KvCacheDtype, parse_config
 from tests.support.reference_sources import vllm_023_source
 
 MODEL = {"name": "m", "source": {"path": "/models/m"}}

@@ -94,10 +94,10 @@ def test_doctor_shows_whether_a_card_profile_exists_and_how_old_it_is(tmp_path, 
     from datetime import datetime, timedelta, timezone
 
     from embedfleet.cluster.doctor import profile_line, profile_status
-    from embedfleet.deployments.config import load_config
+    from embedfleet.deployments.config.schema import load_config
     from embedfleet.deployments.engine.card_profile import (default_profile_path, load_profile,
                                                             save_profile, shipped_profile_path)
-    from embedfleet.deployments.settings import settings
+    from embedfleet.deployments.common.settings import settings
 
     monkeypatch.setenv("EMBEDFLEET_STATE_DIR", str(tmp_path))
     settings.cache_clear()

@@ -16,8 +16,8 @@ import json
 
 import pytest
 
-from embedfleet.deployments.config import load_config
-from embedfleet.deployments.control.governor_law import params_for_profile
+from embedfleet.deployments.config.schema import load_config
+from embedfleet.deployments.fleet.governor_law import params_for_profile
 from embedfleet.deployments.engine.card_profile import default_profile_path, load_profile
 from tests.conftest import E2E_CONFIG, TINY_QWEN3, run_cli
 from tests.test_e2e_governor import cards, restart_governor_and_read

@@ -38,8 +38,8 @@ import sys
 import ray
 from ray import serve
 from embedfleet.deployments.app import build
-from embedfleet.deployments.config import load_config
-from embedfleet.deployments.options import RUNTIME_ENV_VARS
+from embedfleet.deployments.config.schema import load_config
+from embedfleet.deployments.config.ray_options import RUNTIME_ENV_VARS
 
 cfg = load_config(sys.argv[1])
 assert cfg.direct_ingress, "the test app must resolve router.ingress to engine"
@@ -62,7 +62,7 @@ EMBED_BATCH = """
 import json, sys
 import ray
 from ray import serve
-from embedfleet.deployments.contracts import BatchCall
+from embedfleet.deployments.common.contracts import BatchCall
 ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
 res = serve.get_app_handle(sys.argv[1]).embed_batch.remote(
     BatchCall(sys.argv[2], json.loads(sys.argv[3]))).result()
@@ -71,7 +71,7 @@ print(json.dumps({"vectors": res.vectors.tolist(), "tokens": list(res.tokens),
 """
 
 
-KEY = "sk-direct-e2e-0123456789"  # keys have at least 16 characters (api/auth.py)
+KEY = "sk-direct-e2e-0123456789"  # keys have at least 16 characters (ingress/auth.py)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 

@@ -36,7 +36,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from embedfleet.deployments.api.openai import EmbeddingRequest
+from embedfleet.deployments.ingress.openai import EmbeddingRequest
 from tests.conftest import FAULTY_QWEN3, MINILM, TINY_QWEN3
 from tests.support.nested_json import ROUTES, body_with, check_answer, nested, places
 

@@ -20,7 +20,7 @@ import time
 import pytest
 import requests
 
-from embedfleet.deployments.config import load_config
+from embedfleet.deployments.config.schema import load_config
 from tests.conftest import AUTOSCALE, E2E_CONFIG, MINILM, TINY_QWEN3
 from tests.support.live_cluster import wait_for
 
@@ -189,7 +189,7 @@ def test_real_load_moves_the_live_signal_across_high_and_the_budget_follows_then
                 "budget")) and b["stale"] and b, 60, "limits reported stale")
             assert stale["max_tokens"] < top and "rometheus" in stale["reason"]
             # The governor dies now, during the surge: its successor resumes the card's cut
-            # limits from the GCS (control/durable.py) instead of starting at the ceiling.
+            # limits from the GCS (fleet/durable.py) instead of starting at the ceiling.
             resumed = restart_governor_and_read(card)
             assert resumed["max_tokens"] < top, resumed
             n = len(load.codes)

@@ -40,14 +40,14 @@ DEPLOY = """
 import json, sys
 import ray
 from ray import serve
-from embedfleet.deployments.api.router import router_deployment
-from embedfleet.deployments.config import config_to_data, load_config
-from embedfleet.deployments.control.governor import MemoryGovernor
-from embedfleet.deployments.control.registry import FleetRegistry
+from embedfleet.deployments.ingress.router import router_deployment
+from embedfleet.deployments.config.schema import config_to_data, load_config
+from embedfleet.deployments.fleet.governor import MemoryGovernor
+from embedfleet.deployments.fleet.registry import FleetRegistry
 from embedfleet.deployments.engine.lifecycle import DEFAULT_ENGINE_FACTORY
-from embedfleet.deployments.options import (RUNTIME_ENV_VARS, engine_deployment_options,
+from embedfleet.deployments.config.ray_options import (RUNTIME_ENV_VARS, engine_deployment_options,
     governor_deployment_options, registry_deployment_options, router_deployment_options)
-from embedfleet.deployments.replica import EngineReplica
+from embedfleet.deployments.replica.engine_replica import EngineReplica
 
 cfg = load_config(sys.argv[1])
 node_name, prefix, wait = sys.argv[2], sys.argv[3], sys.argv[4] == "wait"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import requests
 
-from embedfleet.deployments.request_path.long_input import LongInputPolicy, SpecialTokens, plan
+from embedfleet.deployments.common.long_input import LongInputPolicy, SpecialTokens, plan
 from tests.texts import doc
 from tests.conftest import MINILM, TINY_QWEN3
 

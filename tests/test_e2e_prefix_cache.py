@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import requests
 
-from embedfleet.deployments.request_path.fingerprint import model_digest
+from embedfleet.deployments.common.fingerprint import model_digest
 from tests.conftest import FAULT_ARM_FILE, FAULTY_QWEN3, MINILM, TINY_QWEN3, run_cli
 from tests.support.live_cluster import COLD_START_BOUND_S, ray_script
 
@@ -101,7 +101,7 @@ def test_failing_canary_switches_prefix_cache_off_without_losing_requests(cluste
     # A call that meets the swap waits at the replica's gate for the new engine, up to the
     # model's bound (cold_start_hold_s): the client waits longer than that, and a call that
     # gets no answer is recorded, not lost with the thread.
-    from embedfleet.deployments.config import load_config
+    from embedfleet.deployments.config.schema import load_config
     from tests.conftest import E2E_CONFIG
 
     cfg = load_config(E2E_CONFIG)

@@ -175,9 +175,9 @@ def test_killing_one_of_two_routers_under_load_loses_no_request(cluster):
 def test_killing_the_engine_process_gives_503_or_success_never_500_or_hang(cluster,
                                                                           cluster_status):
     # A request to a single-replica model whose engine died is held until the replacement is
-    # ready, bounded by max(request_timeout_s, cold_start_hold_s) (request_path/remote.py): the
+    # ready, bounded by max(request_timeout_s, cold_start_hold_s) (ingress/remote.py): the
     # client waits that bound plus a margin, and "never a hang" means an answer within it.
-    from embedfleet.deployments.config import load_config
+    from embedfleet.deployments.config.schema import load_config
     from tests.conftest import E2E_CONFIG
 
     cfg = load_config(E2E_CONFIG)
@@ -221,7 +221,7 @@ def test_a_model_with_no_replica_and_none_starting_answers_503_at_once(cluster):
     wait_for(lambda: len(ready_replicas(cluster, AUTOSCALE)) == 1, 300,
              f"{AUTOSCALE} back at one replica", every=2)
     # and minilm-zero scaled to zero: a card held above a model's min_replicas counts as one
-    # that comes back (control/placement.py), so the replacement would be held for, not refused
+    # that comes back (fleet/placement.py), so the replacement would be held for, not refused
     zero_cls = f"ServeReplica:embedfleet:engine-{ZERO}"
     wait_for(lambda: not any(a.class_name == zero_cls for a in alive_actors()[0]), 120,
              f"{ZERO} scaled to zero", every=2)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from embedfleet.cluster.verify.command import BATCH, CACHE, CORPUS, GOLDEN, REFERENCE, load_golden, save_golden
-from embedfleet.deployments.request_path.fingerprint import model_digest
+from embedfleet.deployments.common.fingerprint import model_digest
 from tests.conftest import MINILM, ROOT, TINY_QWEN3
 
 pytestmark = pytest.mark.cluster

@@ -21,7 +21,7 @@ import pytest
 
 from embedfleet.cluster import corpus_out as co
 from embedfleet.cluster import embed_corpus as ec
-from embedfleet.deployments.errors import ModelNotFound, Overloaded, UnsupportedParameter
+from embedfleet.deployments.common.errors import ModelNotFound, Overloaded, UnsupportedParameter
 from tests.support.standin_corpus_fleet import (FINGERPRINT, StandInHandle, Killed, embedder,
                                                 in_process_rest, arrow_block, tokens_of,
                                                 vector_of)

@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
-from embedfleet.deployments.contracts import Ceiling
-from embedfleet.deployments.control.governor import MemoryGovernor
-from embedfleet.deployments.control.limits import LimitsFollower
+from embedfleet.deployments.common.contracts import Ceiling
+from embedfleet.deployments.fleet.governor import MemoryGovernor
+from embedfleet.deployments.replica.limits import LimitsFollower
 from embedfleet.deployments.engine.gate import EngineGate
-from embedfleet.deployments.errors import EngineUnavailable
+from embedfleet.deployments.common.errors import EngineUnavailable
 from tests.test_swap_resend import StandInEngine, path_over
 
 CONFIG = {"models": [{"name": "m", "source": {"path": "/nonexistent"}}]}

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embedfleet.deployments.config import parse_config
+from embedfleet.deployments.config.schema import parse_config
 from embedfleet.deployments.engine.vllm_engine import VllmEmbeddingEngine
 from embedfleet.deployments.engine.gate import EngineGate
-from embedfleet.deployments.errors import EngineUnavailable
-from embedfleet.deployments.control.prefix_cache import PrefixCacheController
+from embedfleet.deployments.common.errors import EngineUnavailable
+from embedfleet.deployments.replica.prefix_cache import PrefixCacheController
 from tests.support.card_model import CardReservingEngine, SimulatedCard
 from tests.support.fault_injectors import CacheHitCorruptingFaultInjector
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from embedfleet.deployments.errors import clip
+from embedfleet.deployments.common.errors import clip
 
 
 def nested(depth: int) -> list:

@@ -36,9 +36,9 @@ APP = "gcs-restart-test"
 
 WRITE = """
 import sys, ray
-from embedfleet.deployments.contracts import Override
-from embedfleet.deployments.control.durable import DurableStore
-from embedfleet.deployments.control.registry import OVERRIDES
+from embedfleet.deployments.common.contracts import Override
+from embedfleet.deployments.fleet.durable import DurableStore
+from embedfleet.deployments.fleet.registry import OVERRIDES
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 store = DurableStore.connected(sys.argv[2])
 store.put(OVERRIDES, "tiny-qwen3", Override(reason="canary failed: 0.93 < 0.99", at=1.5))
@@ -47,9 +47,9 @@ print("written")
 
 READ = """
 import json, sys, ray
-from embedfleet.deployments.contracts import Override
-from embedfleet.deployments.control.durable import DurableStore
-from embedfleet.deployments.control.registry import OVERRIDES
+from embedfleet.deployments.common.contracts import Override
+from embedfleet.deployments.fleet.durable import DurableStore
+from embedfleet.deployments.fleet.registry import OVERRIDES
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 items = DurableStore.connected(sys.argv[2]).items(OVERRIDES, Override)
 print(json.dumps({k: v.model_dump(mode="json") for k, v in items.items()}))

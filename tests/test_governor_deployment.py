@@ -26,18 +26,19 @@ import time
 
 import pytest
 
-from embedfleet.deployments.control.governor_law import CardReport, GovernorParams
+from embedfleet.deployments.config.governor import GovernorParams
+from embedfleet.deployments.fleet.governor_law import CardReport
 from embedfleet.deployments.engine.card_memory import AllocatorCounters
 from embedfleet.cluster.prometheus_server import free_port, start_prometheus
-from embedfleet.deployments import metrics
+from embedfleet.deployments.common import metrics
 from embedfleet.deployments.engine.card_memory import live_pressure
-from embedfleet.deployments.control.governor import MemoryGovernor, RayMetricsSink
-from embedfleet.deployments.control.governor_config import GovernorConfig
+from embedfleet.deployments.fleet.governor import MemoryGovernor, RayMetricsSink
+from embedfleet.deployments.config.governor import GovernorConfig
 from embedfleet.monitoring.prometheus import config as prom_config
 from embedfleet.monitoring.prometheus import generate as prom_generate
 from embedfleet.monitoring import thresholds
 from embedfleet.monitoring.prometheus import rules
-from embedfleet.deployments.control import memory_queries
+from embedfleet.deployments.config import memory_queries
 from tests.support.standin_npu_exporter import StandinNpuExporter
 from tests.support.standin_ray_agent import StandinRayAgent
 

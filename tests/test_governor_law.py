@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from hypothesis import given, settings, strategies as st
 
-from embedfleet.deployments.control.governor_law import (MIN_BAND, CardLimits, CardReport,
+from embedfleet.deployments.fleet.governor_law import (MIN_BAND, CardLimits, CardReport,
                                                           CardState, GovernorParams, floor_of,
                                                           hard_cut, hold_stale,
                                                           params_for_profile, step, step_of)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from embedfleet.deployments.config import parse_config
-from embedfleet.deployments.options import ray_node_env
+from embedfleet.deployments.config.schema import parse_config
+from embedfleet.deployments.config.ray_options import ray_node_env
 from tests.support.haproxy_replay import (StandinRouter, free_port, render_serve_haproxy,
                                           start_haproxy)
 

@@ -1,4 +1,4 @@
-"""A health probe slower than one health check is not a failed check (deployments/control/
+"""A health probe slower than one health check is not a failed check (deployments/replica/
 health_probe.py): on a busy or starved device it waits behind the engine's batches, and a CI run
 on two shared cores saw Serve kill a working MiniLM replica after three such timeouts. The probe
 stays pending across checks; only one left unanswered for ``health_stall_timeout_s`` (a hung
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from embedfleet.deployments.config import ConfigError, parse_config
-from embedfleet.deployments.control.health_probe import EngineStalled, HealthProbe
+from embedfleet.deployments.config.schema import ConfigError, parse_config
+from embedfleet.deployments.replica.health_probe import EngineStalled, HealthProbe
 from tests.test_idle_engine_wakeups import ProbeEngine, replica_around
 
 

@@ -1,7 +1,7 @@
 """An idle engine's worker is not woken every few seconds: any call into the engine makes vLLM's
 worker spin a second on its message queue. The limits follower reuses an idle card's reading for
-up to IDLE_REPROBE_S (deployments/control/limits.py), and an idle replica's health check embeds
-its probe at most every HEALTH_EMBED_EVERY_S (deployments/replica.py), and re-reads the idle card
+up to IDLE_REPROBE_S (deployments/replica/limits.py), and an idle replica's health check embeds
+its probe at most every HEALTH_EMBED_EVERY_S (deployments/replica/engine_replica.py), and re-reads the idle card
 right after that embedding, inside the same wake. A busy replica's health check embeds no probe
 while its engine keeps finishing sequences (a probe would queue behind the work)."""
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from embedfleet.deployments.contracts import Ceiling
-from embedfleet.deployments.control import limits as limits_mod
-from embedfleet.deployments.control.limits import LimitsFollower
+from embedfleet.deployments.common.contracts import Ceiling
+from embedfleet.deployments.replica import limits as limits_mod
+from embedfleet.deployments.replica.limits import LimitsFollower
 from embedfleet.deployments.engine.gate import EngineGate
 from embedfleet.deployments.engine.kv_usage import KvSample
 from embedfleet.deployments.engine.vllm_engine import EngineMemory
@@ -145,8 +145,8 @@ class ProbeEngine:
 def replica_around(engine: ProbeEngine, inflight: int):
     """The real ``EngineReplica.check_health``, around stand-ins of its parts and a real
     limits follower sharing the replica's gate."""
-    from embedfleet.deployments.control.health_probe import HealthProbe
-    from embedfleet.deployments.replica import EngineReplica
+    from embedfleet.deployments.replica.health_probe import HealthProbe
+    from embedfleet.deployments.replica.engine_replica import EngineReplica
 
     r = object.__new__(EngineReplica)
     r.__dict__.update(
@@ -162,7 +162,7 @@ def replica_around(engine: ProbeEngine, inflight: int):
 
 def test_an_idle_replicas_health_check_embeds_at_most_every_health_embed_every_s(monkeypatch):
 
-    from embedfleet.deployments import replica as replica_mod
+    from embedfleet.deployments.replica import engine_replica as replica_mod
 
     engine = ProbeEngine()
     r = replica_around(engine, inflight=0)

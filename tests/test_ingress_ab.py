@@ -17,7 +17,7 @@ def test_each_run_gets_the_bundled_config_with_its_ingress():
 
 
 def test_each_run_is_the_benchs_online_workload_counted_by_the_models_tokenizer():
-    from embedfleet.deployments.config import load_config
+    from embedfleet.deployments.config.schema import load_config
 
     m = load_config().models[0]
     w, tokens = ingress_ab.online_workload(40, m.source.resolve(), m.max_model_len)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from embedfleet.deployments.api.router import serve_api_keys
-from embedfleet.deployments.config import parse_config
+from embedfleet.deployments.ingress.router import serve_api_keys
+from embedfleet.deployments.config.schema import parse_config
 from tests.support.router_app import MODEL, router_client
 
 OTHER = "minilm-b"

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from embedfleet.deployments.config import parse_config
-from embedfleet.deployments.contracts import EmbedCall
+from embedfleet.deployments.config.schema import parse_config
+from embedfleet.deployments.common.contracts import EmbedCall
 from embedfleet.deployments.engine.vllm_engine import Embedding, VllmEmbeddingEngine
-from embedfleet.deployments.request_path.admission import AdmissionBudget
+from embedfleet.deployments.replica.admission import AdmissionBudget
 from tests.support.request_path_standins import request_path_over
 
 

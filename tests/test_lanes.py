@@ -1,4 +1,4 @@
-"""Which lane a request goes to (api/lanes.py, api/auth.py): the body's ``lane``, the
+"""Which lane a request goes to (ingress/lanes.py, ingress/auth.py): the body's ``lane``, the
 X-Embedfleet-Lane header, or the lane an API key is limited to; the same rule on both APIs. Served
 in-process through the router's own app with a fake model that records each call's lane."""
 
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from embedfleet.deployments import metrics
-from embedfleet.deployments.api.auth import load_api_keys, load_key_lanes
-from embedfleet.deployments.api.router import new_api, router_deployment
-from embedfleet.deployments.api.routes import ApiRoutes
-from embedfleet.deployments.config import parse_config
-from embedfleet.deployments.contracts import EmbedResult, Fingerprint
-from embedfleet.deployments.request_path.pipeline import EmbedPipeline
+from embedfleet.deployments.common import metrics
+from embedfleet.deployments.ingress.auth import load_api_keys, load_key_lanes
+from embedfleet.deployments.ingress.router import new_api, router_deployment
+from embedfleet.deployments.ingress.routes import ApiRoutes
+from embedfleet.deployments.config.schema import parse_config
+from embedfleet.deployments.common.contracts import EmbedResult, Fingerprint
+from embedfleet.deployments.ingress.pipeline import EmbedPipeline
 
 MODEL = "m"
 ROUTES = [("/v1/embeddings", {"model": MODEL, "input": "a"}), ("/embed", {"inputs": "a"})]

@@ -41,7 +41,7 @@ def test_the_p99_is_the_slow_tail_not_the_mean():
 def test_embedfleet_bench_runs_lanes_on_two_replicas_of_the_shipped_model():
     from embedfleet.benchmarks.bench import DEFAULT_WORKLOADS, parse_args
     from embedfleet.benchmarks.embedfleet_peer import bench_config
-    from embedfleet.deployments.config import load_config
+    from embedfleet.deployments.config.schema import load_config
 
     base = load_config(None)
     cfg = bench_config(base, "http://127.0.0.1:8123", replicas=2)  # what run_lanes starts

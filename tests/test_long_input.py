@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from embedfleet.deployments.errors import InputTooLong, InvalidParameterValue, UnsupportedParameter
-from embedfleet.deployments.request_path.long_input import (
+from embedfleet.deployments.common.errors import InputTooLong, InvalidParameterValue, UnsupportedParameter
+from embedfleet.deployments.common.long_input import (
     LongInputPolicy,
     SpecialTokens,
     apply_dimensions,
@@ -230,7 +230,7 @@ def test_dimensions_errors_name_the_problem():
 
 
 def test_flatten_and_merge_planned_keep_inputs_apart(doc, special):
-    from embedfleet.deployments.request_path.long_input import flatten, merge_planned
+    from embedfleet.deployments.common.long_input import flatten, merge_planned
 
     _, ids = doc
     policy = LongInputPolicy(mode="chunk")
@@ -285,7 +285,7 @@ def test_the_seeds_document_windows_400_and_50_on_a_long_context_model():
 
 
 def test_the_910b_config_chunks_documents_always():
-    from embedfleet.deployments.config import CONFIG_DIR, load_config
+    from embedfleet.deployments.config.schema import CONFIG_DIR, load_config
 
     (m,) = load_config(CONFIG_DIR / "ascend-910b-qwen3-embedding-8b.yaml").models
     assert (m.long_input.mode, m.long_input.chunk_tokens, m.long_input.chunk_overlap,

@@ -18,7 +18,7 @@ from embedfleet.cluster.manifest_spec import (CLIENT_PORT, DASHBOARD_PORT, HEAD_
                                               METRICS_PORT, cluster_spec)
 from embedfleet.cluster.manifests import (ASCEND_910B_CONFIG, example_files,
                                           render_cluster_launcher, render_rayservice)
-from embedfleet.deployments.config import ConfigError, load_config, parse_config
+from embedfleet.deployments.config.schema import ConfigError, load_config, parse_config
 
 ASCEND = load_config(ASCEND_910B_CONFIG)
 EXAMPLE = cluster_spec(ASCEND, example=True)

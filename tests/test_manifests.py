@@ -41,9 +41,9 @@ from embedfleet.cluster.manifests import (
     render_rayservice,
 )
 from embedfleet.cluster.render import config_from_serve_yaml, render_yaml, serve_config
-from embedfleet.deployments.config import CONFIG_DIR, ConfigError, load_config, parse_config
+from embedfleet.deployments.config.schema import CONFIG_DIR, ConfigError, load_config, parse_config
 from embedfleet.deployments.engine.ascend_release import CANN_VERSION
-from embedfleet.deployments.options import ray_head_env, ray_node_env
+from embedfleet.deployments.config.ray_options import ray_head_env, ray_node_env
 
 ASCEND = load_config(ASCEND_910B_CONFIG)
 EXAMPLE = cluster_spec(ASCEND, example=True)  # what the checked-in examples are rendered with
@@ -566,9 +566,9 @@ def test_no_deployment_can_fill_its_actor_past_health_checks(name):
     # whose budget + max_waiting is larger (the queue then waits in Serve's handle).
     from ray._common.ray_constants import DEFAULT_MAX_CONCURRENCY_ASYNC
 
-    from embedfleet.deployments.options import CONTROL_CALL_HEADROOM
+    from embedfleet.deployments.config.ray_options import CONTROL_CALL_HEADROOM
 
-    from embedfleet.deployments.config import config_to_data
+    from embedfleet.deployments.config.schema import config_to_data
 
     cfg = load_config(CONFIG_DIR / name)
     data = config_to_data(cfg)

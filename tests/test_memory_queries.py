@@ -29,8 +29,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from embedfleet.deployments.control.governor_law import CardState, GovernorParams, step
-from embedfleet.deployments.control.memory_queries import (PRESET_NAMES, PRESETS, CardMemoryQuery,
+from embedfleet.deployments.config.governor import GovernorParams
+from embedfleet.deployments.fleet.governor_law import CardState, step
+from embedfleet.deployments.config.memory_queries import (PRESET_NAMES, PRESETS, CardMemoryQuery,
                                     PrometheusQueryError, PrometheusUnavailable,
                                     aquery_card_ratios, dcgm_query, npu_exporter_query,
                                     query_card_ratios)
@@ -45,7 +46,7 @@ from tests.support.standin_ray_agent import SERIES, StandinRayAgent
 
 ROOT = Path(__file__).resolve().parents[1]
 NPU = PRESETS["npu-exporter"]
-# The replica's engine terms as Prometheus scrapes them (``embedfleet.deployments.metrics`` after Ray's
+# The replica's engine terms as Prometheus scrapes them (``embedfleet.deployments.common.metrics`` after Ray's
 # export); a test below checks that ``embedfleet.monitoring.queries.live_ratio`` reads exactly these.
 KV_POOL_SERIES, CACHE_FREE = SERIES["kv_pool"], SERIES["cache_free"]
 # Prometheus applies a new target list at most every 5 s, then scrapes every 1 s: 20 s is

@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from embedfleet.deployments.control.canary import VERDICTS
+from embedfleet.deployments.replica.canary import VERDICTS
 from embedfleet.deployments.engine.vllm_api import VLLM_METRICS
 from tests.support import monitoring_lint as lint
 from embedfleet.monitoring import queries, thresholds
@@ -163,5 +163,5 @@ def test_canary_cosine_panel_shows_the_floor_and_fails_red_below_the_failure_thr
     assert any("ray_embedfleet_canary_floor{" in e for e in exprs), exprs
     steps = {s["value"]: s["color"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]}
     assert steps == {None: "red", thresholds.CANARY_FAIL_COSINE: "green"}
-    from embedfleet.deployments.control.canary import FAIL_COSINE
+    from embedfleet.deployments.replica.canary import FAIL_COSINE
     assert thresholds.CANARY_FAIL_COSINE == FAIL_COSINE  # one threshold, two spellings

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 import embedfleet.monitoring as monitoring
-from embedfleet.deployments import metrics
+from embedfleet.deployments.common import metrics
 from embedfleet.deployments.engine.vllm_api import VLLM_METRICS
 from embedfleet.monitoring import generate, queries, thresholds
 from tests.support import monitoring_lint as lint

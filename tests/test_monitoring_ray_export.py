@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from embedfleet.deployments.metrics import MetricSpec
+from embedfleet.deployments.common.metrics import MetricSpec
 from tests.support import ray_probe
 
 RECORDED = Path(ray_probe.__file__).resolve().parent / "testdata" / "ray-scrape.txt"

@@ -24,16 +24,16 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
                                                response_schema_conformance,
                                                status_code_conformance)
 
-from embedfleet.deployments import metrics
-from embedfleet.deployments.api.openapi import RETRY_LATER, ROUTE_ERRORS
-from embedfleet.deployments.api.router import new_api, router_deployment
-from embedfleet.deployments.api.routes import ApiRoutes
-from embedfleet.deployments.config import parse_config
-from embedfleet.deployments.contracts import (BudgetView, CardStatus, EmbedResult, Fingerprint,
+from embedfleet.deployments.common import metrics
+from embedfleet.deployments.ingress.openapi import RETRY_LATER, ROUTE_ERRORS
+from embedfleet.deployments.ingress.router import new_api, router_deployment
+from embedfleet.deployments.ingress.routes import ApiRoutes
+from embedfleet.deployments.config.schema import parse_config
+from embedfleet.deployments.common.contracts import (BudgetView, CardStatus, EmbedResult, Fingerprint,
                                               FleetStatus, ModelStatus, PrefixCacheView)
-from embedfleet.deployments.errors import (EngineUnavailable, InvalidTokenId, NotReady, Overloaded,
+from embedfleet.deployments.common.errors import (EngineUnavailable, InvalidTokenId, NotReady, Overloaded,
                                            UnsupportedParameter)
-from embedfleet.deployments.request_path.pipeline import EmbedPipeline
+from embedfleet.deployments.ingress.pipeline import EmbedPipeline
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance]
@@ -152,10 +152,10 @@ def doc():
 
 
 def test_a_direct_engine_app_publishes_the_routers_document(doc):
-    """A one-model app whose engine replicas take HTTP (``api/direct.py``) mounts the same
+    """A one-model app whose engine replicas take HTTP (``ingress/direct.py``) mounts the same
     routes, so its document is the Router's; the routes are bound to the engine class."""
-    from embedfleet.deployments.api.direct import direct_deployment
-    from embedfleet.deployments.replica import EngineReplica
+    from embedfleet.deployments.ingress.direct import direct_deployment
+    from embedfleet.deployments.replica.engine_replica import EngineReplica
 
     app = new_api()
     cls = direct_deployment(app)
@@ -238,9 +238,9 @@ def test_error_detail_is_the_error_body_errors_py_builds(doc):
 
 
 def test_response_models_describe_what_the_builders_send():
-    from embedfleet.deployments.api.openai import EmbeddingResponse, embedding_response
-    from embedfleet.deployments.api.tei import TeiEmbedResponse, tei_embed_response
-    from embedfleet.deployments.contracts import InputReport
+    from embedfleet.deployments.ingress.openai import EmbeddingResponse, embedding_response
+    from embedfleet.deployments.ingress.tei import TeiEmbedResponse, tei_embed_response
+    from embedfleet.deployments.common.contracts import InputReport
 
     v = np.array([0.5, -0.25], np.float32)
     for encoding in ("float", "base64"):

@@ -91,7 +91,7 @@ def test_engine_header_carries_the_plugins_version(tmp_path):
     install_dist(site, "vllm-ascend", "0.23.0.post1", package="vllm_ascend",
                  init=VLLM_ASCEND_INIT)
     code = ("import json; from embedfleet.deployments.engine.vllm_engine import engine_version_label; "
-            "from embedfleet.deployments.contracts import Fingerprint; "
+            "from embedfleet.deployments.common.contracts import Fingerprint; "
             "h = Fingerprint('d', 'bfloat16', engine_version_label(), 'ascend', True).headers(); "
             "print(json.dumps(h))")
     got = run(site, code)

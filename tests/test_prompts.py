@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from embedfleet.deployments.errors import UnsupportedParameter
-from embedfleet.deployments.request_path.prompts import QWEN3_EMBEDDING_DEFAULT_TASK, PromptTemplates
+from embedfleet.deployments.common.errors import UnsupportedParameter
+from embedfleet.deployments.common.prompts import QWEN3_EMBEDDING_DEFAULT_TASK, PromptTemplates
 
 
 @pytest.fixture

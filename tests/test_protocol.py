@@ -8,8 +8,8 @@ import numpy as np
 import orjson
 import pytest
 
-from embedfleet.deployments.errors import EngineUnavailable, InputTooLong, Overloaded, RequestValidation
-from embedfleet.deployments.api.openai import embedding_response, parse_embedding_request
+from embedfleet.deployments.common.errors import EngineUnavailable, InputTooLong, Overloaded, RequestValidation
+from embedfleet.deployments.ingress.openai import embedding_response, parse_embedding_request
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import orjson
 import pytest
 
-from embedfleet.deployments.errors import RequestValidation
-from embedfleet.deployments.request_path.long_input import LongInputPolicy
-from embedfleet.deployments.request_path.pipeline import request_policy
-from embedfleet.deployments.api.tei import (
+from embedfleet.deployments.common.errors import RequestValidation
+from embedfleet.deployments.common.long_input import LongInputPolicy
+from embedfleet.deployments.ingress.pipeline import request_policy
+from embedfleet.deployments.replica.tokenize import TokenizeQueue, simple_tokens
+from embedfleet.deployments.ingress.tei import (
     tei_to_pipeline,
     parse_tei_embed_request,
     parse_tei_tokenize_request,
-    simple_tokens,
     tei_embed_response,
     tei_tokenize_response,
-    tokenize_tei,
 )
 
 
@@ -120,6 +121,13 @@ def test_tokenize_request_defaults():
     with pytest.raises(RequestValidation) as err:
         parse_tei_tokenize_request({"inputs": "a", "add_special": False})
     assert err.value.param == "add_special"
+
+
+def tokenize_tei(tokenizer, texts, add_special_tokens=True):
+    """What the replica answers ``/tokenize`` with (its queue runs the tokenizer in a thread)."""
+    q = TokenizeQueue(model="m", max_inputs=64, max_chars=1 << 20, max_tokens=1 << 20,
+                      queue_timeout_s=5.0)
+    return asyncio.run(q.tokenize(tokenizer, texts, add_special_tokens))
 
 
 def test_tokenize_matches_the_model_tokenizer(minilm_tokenizer):

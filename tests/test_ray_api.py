@@ -235,10 +235,10 @@ def test_every_ray_import_in_product_code_is_a_touch_point():
 
 
 def test_deployment_options_embedfleet_sets_are_listed(tmp_path):
-    """The option names deployments/options.py puts in its dicts, for every shipped config, are
+    """The option names deployments/config/ray_options.py puts in its dicts, for every shipped config, are
     the ones checked (serve.deployment, Deployment.options, DeploymentSchema...)."""
-    from embedfleet.deployments import options
-    from embedfleet.deployments.config import CONFIG_DIR, load_config
+    from embedfleet.deployments.config import ray_options as options
+    from embedfleet.deployments.config.schema import CONFIG_DIR, load_config
 
     seen: set[str] = set()
     autoscaling: set[str] = set()

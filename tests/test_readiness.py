@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from embedfleet.deployments.contracts import ModelReadiness
-from embedfleet.deployments.request_path.readiness import ReadinessView
+from embedfleet.deployments.common.contracts import ModelReadiness
+from embedfleet.deployments.ingress.readiness import ReadinessView
 
 WAIT = "1 replica(s) waiting for a card: each needs {\"CPU_CARD\": 1}; 0 of the cluster's 6 cards are free"
 
@@ -103,7 +103,7 @@ def test_a_replacement_needing_a_card_still_being_freed_counts_as_starting_at_fi
     # An engine replaced after its death: the new actor waits for the card the old one (or a
     # replica scaling down) is still giving back. Holding requests for it is right; refusing
     # them with "waiting for a card" two seconds in was wrong (the soak's kill-engine 503s).
-    from embedfleet.deployments.control.placement import PLACEMENT_GRACE_S, blocked_replicas
+    from embedfleet.deployments.fleet.placement import PLACEMENT_GRACE_S, blocked_replicas
 
     assert blocked_replicas(1, free_cards=0, creating_for_s=2.0) == 0
     assert blocked_replicas(1, free_cards=0, creating_for_s=PLACEMENT_GRACE_S) == 1
@@ -114,7 +114,7 @@ def test_a_replacement_needing_a_card_still_being_freed_counts_as_starting_at_fi
 def test_a_replacement_waiting_for_a_card_another_model_scaled_up_into_is_still_coming():
     # The soak's kill-engine window: tiny-qwen3's card went to minilm-autoscale scaling 1 -> 2;
     # the replacement waited for autoscale to scale back down. Held, not refused at the grace mark.
-    from embedfleet.deployments.control.placement import (
+    from embedfleet.deployments.fleet.placement import (
         PLACEMENT_GRACE_S, blocked_replicas, reclaimable_cards)
 
     alive = {"engine-a": 2, "engine-auto": 2, "engine-zero": 1, "engine-q": 0, "Router": 2,
@@ -136,8 +136,8 @@ def test_a_replica_swapping_its_engine_counts_as_starting_not_ready():
     # Its heartbeat says ready (healthy) but not serving: its calls wait at the gate for the new
     # engine. Counted ready, the router cut them at request_timeout_s (a 503 in a CI run whose
     # swap took ~2 min); counted starting, they are held like a cold start's.
-    from embedfleet.deployments.contracts import ReplicaDescription
-    from embedfleet.deployments.control.registry import serving_now
+    from embedfleet.deployments.common.contracts import ReplicaDescription
+    from embedfleet.deployments.fleet.registry import serving_now
 
     def replica(pid: int, ready: bool = True, serving: bool = True) -> ReplicaDescription:
         return ReplicaDescription.model_construct(node_id="n", pid=pid, ready=ready,

@@ -1,4 +1,4 @@
-"""The router's call to a model's replicas (deployments/request_path/remote.py): a call not
+"""The router's call to a model's replicas (deployments/ingress/remote.py): a call not
 answered within request_timeout_s while another replica of its model is starting or swapping its
 engine is sent again, within the call's bound, instead of answered 503.
 
@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from embedfleet.deployments.config import parse_config
-from embedfleet.deployments.contracts import EmbedCall, ModelReadiness
-from embedfleet.deployments.errors import EngineUnavailable
-from embedfleet.deployments.request_path.readiness import ReadinessView
-from embedfleet.deployments.request_path.remote import (BY_VALUE_MAX_BYTES, BY_VALUE_MAX_INPUTS,
+from embedfleet.deployments.config.schema import parse_config
+from embedfleet.deployments.common.contracts import EmbedCall, ModelReadiness
+from embedfleet.deployments.common.errors import EngineUnavailable
+from embedfleet.deployments.ingress.readiness import ReadinessView
+from embedfleet.deployments.ingress.remote import (BY_VALUE_MAX_BYTES, BY_VALUE_MAX_INPUTS,
                                                        RemoteCaller, by_value)
 
 

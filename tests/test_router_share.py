@@ -1,4 +1,4 @@
-"""One model's share of the router (deployments/options.py router_model_share): a model that
+"""One model's share of the router (deployments/config/ray_options.py router_model_share): a model that
 holds its share of the router's concurrent requests gets 429 + Retry-After for more, while the
 other models still get in (seen in the soak: a held flood to one model stalled every model)."""
 
@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from embedfleet.deployments import metrics
-from embedfleet.deployments.config import ConfigError, RouterConfig, parse_config
-from embedfleet.deployments.contracts import EmbedResult, Fingerprint
-from embedfleet.deployments.errors import Overloaded
-from embedfleet.deployments.options import MAX_ONGOING_REQUESTS, router_model_share
-from embedfleet.deployments.request_path.pipeline import EmbedPipeline, EmbedRequest
+from embedfleet.deployments.common import metrics
+from embedfleet.deployments.config.schema import ConfigError, RouterConfig, parse_config
+from embedfleet.deployments.common.contracts import EmbedResult, Fingerprint
+from embedfleet.deployments.common.errors import Overloaded
+from embedfleet.deployments.config.ray_options import MAX_ONGOING_REQUESTS, router_model_share
+from embedfleet.deployments.ingress.pipeline import EmbedPipeline, EmbedRequest
 
 
 PRINT = Fingerprint(model_digest="d", dtype="float32", engine="e", platform="cpu",
@@ -112,10 +112,10 @@ def test_bulk_takes_at_most_half_a_models_share_so_interactive_still_gets_in(mon
 
 
 def test_a_direct_app_refuses_in_json_before_serve_would_in_plain_text():
-    """A one-model app's engine replica takes HTTP itself (``api/direct.py``): Serve rejects what
+    """A one-model app's engine replica takes HTTP itself (``ingress/direct.py``): Serve rejects what
     is past its own limits with a plain-text 503 and no Retry-After, so the pipeline's share
     must refuse first, with 429 + Retry-After, below Serve's ``max_ongoing_requests``."""
-    from embedfleet.deployments.options import (DIRECT_ONGOING_HEADROOM, direct_model_share,
+    from embedfleet.deployments.config.ray_options import (DIRECT_ONGOING_HEADROOM, direct_model_share,
                                                 serve_queue_limits)
 
     small = parse_config({"models": [{"name": "m", "source": {"path": "/m"},

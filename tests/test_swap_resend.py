@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from embedfleet.deployments import metrics
+from embedfleet.deployments.common import metrics
 from embedfleet.deployments.engine.gate import EngineGate
 from embedfleet.deployments.engine.vllm_engine import Embedding
-from embedfleet.deployments.errors import EngineUnavailable
-from embedfleet.deployments.request_path.replica_path import RequestPath
+from embedfleet.deployments.common.errors import EngineUnavailable
+from embedfleet.deployments.replica.request_path import RequestPath
 
 
 class StandInEngine:
@@ -95,7 +95,7 @@ def test_a_dead_engine_still_fails_the_call_and_the_replica():
 
 
 def test_following_a_new_engine_clears_the_old_engines_failure(monkeypatch):
-    from embedfleet.deployments.request_path import replica_path
+    from embedfleet.deployments.replica import request_path as replica_path
 
     monkeypatch.setattr(replica_path, "InputPreparer", lambda *a: "preparer")
     monkeypatch.setattr(replica_path.SpecialTokens, "from_tokenizer", staticmethod(lambda t: t))

@@ -1,4 +1,4 @@
-"""``/tokenize`` on the replica (``request_path/tokenize.py``): bounded by characters and tokens
+"""``/tokenize`` on the replica (``replica/tokenize.py``): bounded by characters and tokens
 before the per-token response is built, admitted by lane with a bounded queue, and run off the
 event loop. The tokenizer is MiniLM's real one; nothing else is stood in for."""
 
@@ -9,9 +9,8 @@ import time
 
 import pytest
 
-from embedfleet.deployments.api.tei import tokenize_tei
-from embedfleet.deployments.errors import Overloaded, RequestTooLarge
-from embedfleet.deployments.request_path.tokenize import TOKENIZE_MAX_WAITING, TokenizeQueue
+from embedfleet.deployments.common.errors import Overloaded, RequestTooLarge
+from embedfleet.deployments.replica.tokenize import TOKENIZE_MAX_WAITING, TokenizeQueue
 
 
 def queue(**kw) -> TokenizeQueue:
@@ -23,7 +22,8 @@ def queue(**kw) -> TokenizeQueue:
 def test_the_answer_is_tei_s_token_list(minilm_tokenizer):
     texts = ["Hello world", "embedfleet tokenises off the loop"]
     got = asyncio.run(queue().tokenize(minilm_tokenizer, texts, True))
-    assert got == tokenize_tei(minilm_tokenizer, texts, True)
+    assert [[t["id"] for t in toks] for toks in got] == minilm_tokenizer(texts)["input_ids"]
+    assert got[0][1] == {"id": 7592, "text": "Hello", "special": False, "start": 0, "stop": 5}
 
 
 def test_characters_past_the_bound_are_413_before_the_tokenizer_runs():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from embedfleet.deployments.engine import vllm_api
-from embedfleet.deployments.config import CONFIG_DIR, load_config
+from embedfleet.deployments.config.schema import CONFIG_DIR, load_config
 from embedfleet.deployments.engine.vllm_api import TOUCH_POINTS, VLLM_METRICS, TouchPoint
 from tests.support.reference_sources import vllm_023_source
 

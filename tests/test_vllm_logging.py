@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from embedfleet.deployments.options import RUNTIME_ENV_VARS
+from embedfleet.deployments.config.ray_options import RUNTIME_ENV_VARS
 
 # What Serve's component logger leaves in a replica before user code imports vLLM.
 PROBE = """

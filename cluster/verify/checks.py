@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from embedfleet.cluster.verify.client import Embedded, EmbeddingsClient, ServerError
-from embedfleet.cluster.verify.golden import GoldenEntry, fingerprint_diff
-from embedfleet.cluster.verify.reference import Reference
+from .client import Embedded, EmbeddingsClient, ServerError
+from .golden import GoldenEntry, fingerprint_diff
+from .reference import Reference
 
 # Batching and cache hits may change float summation order, nothing else: near-identity.
 EXACT_COSINE = 0.99999

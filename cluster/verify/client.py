@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
-from embedfleet.deployments.contracts import Fingerprint
+from ...deployments.common.contracts import Fingerprint
 
 # The fingerprint header names, from the contract that sets them (not the per-request counts).
 FINGERPRINT_KEYS = tuple(Fingerprint("", "", "", "", False).headers())

@@ -29,17 +29,17 @@ from typing import Any
 
 # The command lives here; the checks, client, reference and golden files in the verify_* modules.
 # Their names are re-exported because tests and users import them from embedfleet.cluster.verify.command.
-from embedfleet.cluster.verify.checks import (BATCH, CACHE, CACHE_PREFIX_MIN_TOKENS, CACHE_SIBLING,
-                                   CACHE_SUFFIXES, CORPUS, EXACT_COSINE, GOLDEN, HIT_ATTEMPTS,
-                                   NORM_TOLERANCE, REFERENCE, SHARED_PREFIX, SHUFFLE_SEED,
-                                   CheckResult, ModelReport, Status, check_batch, check_cache,
-                                   check_golden, check_reference, cosines, judge, verify_model)
-from embedfleet.cluster.verify.client import (FINGERPRINT_KEYS, Embedded, EmbeddingsClient, HttpClient,
-                                   ServerError, VerifyUsageError)
-from embedfleet.cluster.verify.golden import (GOLDEN_FORMAT, GoldenEntry, fingerprint_diff, load_golden,
-                                   save_golden)
-from embedfleet.cluster.verify.reference import (BUNDLED_PACKAGES, REFERENCE_BATCH, PoolingSpec,
-                                      Reference, bundled_path, pool, pooling_spec)
+from .checks import (BATCH, CACHE, CACHE_PREFIX_MIN_TOKENS, CACHE_SIBLING,
+          CACHE_SUFFIXES, CORPUS, EXACT_COSINE, GOLDEN, HIT_ATTEMPTS,
+          NORM_TOLERANCE, REFERENCE, SHARED_PREFIX, SHUFFLE_SEED,
+          CheckResult, ModelReport, Status, check_batch, check_cache,
+          check_golden, check_reference, cosines, judge, verify_model)
+from .client import (FINGERPRINT_KEYS, Embedded, EmbeddingsClient, HttpClient,
+          ServerError, VerifyUsageError)
+from .golden import (GOLDEN_FORMAT, GoldenEntry, fingerprint_diff, load_golden,
+          save_golden)
+from .reference import (BUNDLED_PACKAGES, REFERENCE_BATCH, PoolingSpec,
+             Reference, bundled_path, pool, pooling_spec)
 
 __all__ = [
     # this module: the command

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from embedfleet.cluster.verify.client import FINGERPRINT_KEYS, VerifyUsageError
+from .client import FINGERPRINT_KEYS, VerifyUsageError
 
 GOLDEN_FORMAT = "embedfleet-golden/1"
 

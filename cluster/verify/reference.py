@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from embedfleet.deployments.request_path.fingerprint import model_digest
+from ...deployments.common.fingerprint import model_digest
 
 REFERENCE_BATCH = 8
 # Models whose weights ship as a Python package, so no --model-path is needed.
@@ -33,8 +33,8 @@ class PoolingSpec:
 
 def pooling_spec(model_dir: Path) -> PoolingSpec:
     """The pooling vLLM applies to this folder: modules.json, else the architecture's default."""
-    from embedfleet.deployments.engine.model_facts import (ModelFactsError, read_sentence_transformers_pooling,
-                                         vllm_arch_defaults)
+    from ...deployments.engine.model_facts import (ModelFactsError, read_sentence_transformers_pooling,
+                                 vllm_arch_defaults)
 
     st = read_sentence_transformers_pooling(model_dir)
     # Without a sentence-transformers Normalize module vLLM's embed pooler still normalises.
@@ -109,7 +109,7 @@ class Reference:
 
 
 def bundled_path(model: str) -> Path | None:
-    from embedfleet.deployments.model_source import ModelSource
+    from ...deployments.config.model_source import ModelSource
 
     try:  # resolved as the deployment resolves `source.package`
         return Path(ModelSource(package=BUNDLED_PACKAGES[model]).resolve())

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from embedfleet.deployments.engine.ascend_release import CANN_VERSION
-from embedfleet.deployments.engine.vllm_api import distribution_version
+from .ascend_release import CANN_VERSION
+from .vllm_api import distribution_version
 
 # The pinned vllm-ascend release's own requirement (its install guide: CANN == 9.1.0); the seed's
 # figure was 8.1.RC1, older than that release needs.

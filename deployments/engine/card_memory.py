@@ -23,7 +23,7 @@ attention), fragmentation, runtime growth. So the signal is
   is the worst step's peak over the same capacity. A card profile (``card_profile``) holds both.
 
 The same formula runs in Prometheus for every preset (``monitoring/queries.py`` ``live_ratio``,
-used by ``monitoring/prometheus/rules.py`` and ``deployments/control/memory_queries.py``): the
+used by ``monitoring/prometheus/rules.py`` and ``deployments/config/memory_queries.py``): the
 replica exports the pool and allocator terms, the device terms come from the replica (the
 ``embedfleet`` preset) or from npu-exporter / DCGM.
 
@@ -194,7 +194,7 @@ def total_mismatch(runtime_total: int, configured: int | None) -> str | None:
 def signal_floor_problems(cfg: Any) -> list[str]:
     """Models whose card's live memory ratio could not fall below ``governor.params.high`` at
     idle: a governor would hold them at their floor forever (``card_memory.idle_floor``)."""
-    from embedfleet.deployments.request_path.fingerprint import weights_bytes
+    from ..common.fingerprint import weights_bytes
 
     high = cfg.governor.params.high
     out = []

@@ -28,8 +28,8 @@ from typing import Literal
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt,
                       model_validator)
 
-from embedfleet.deployments.engine.card_memory import AllocatorCounters  # one definition
-from embedfleet.deployments.settings import settings
+from .card_memory import AllocatorCounters  # one definition
+from ..common.settings import settings
 
 __all__ = ["AllocatorCounters", "CardProfile", "WorstStep", "default_profile_path",
            "load_profile", "resolve_profile", "save_profile", "shipped_profile_path"]

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Generic, TypeVar
 
-from embedfleet.deployments.errors import EngineUnavailable
+from ..common.errors import EngineUnavailable
 
 E = TypeVar("E")
 

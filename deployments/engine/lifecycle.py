@@ -17,8 +17,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from embedfleet.deployments.engine import reaper
-from embedfleet.deployments.engine.vllm_engine import EmbeddingEngine
+from . import reaper
+from .vllm_engine import EmbeddingEngine
 
 logger = logging.getLogger("embedfleet.engine")
 

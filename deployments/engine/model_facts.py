@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from embedfleet.deployments.engine.prefix_cache_policy import Attention, ModelFacts
+from .prefix_cache_policy import Attention, ModelFacts
 
 
 class ModelFactsError(Exception):
@@ -125,7 +125,7 @@ def vllm_arch_defaults(architecture: str) -> ArchDefaults | None:
     ``embedfleet.deployments.engine.vllm_api``), which reads class attributes and never builds the model.
     """
     try:
-        from embedfleet.deployments.engine.vllm_api import inspect_architecture
+        from .vllm_api import inspect_architecture
 
         info = inspect_architecture(architecture)
     except ImportError as exc:

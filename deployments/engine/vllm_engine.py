@@ -15,8 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from embedfleet.deployments.engine import vllm_api
-from embedfleet.deployments.engine.kv_usage import KvSample, KvUsageTracker
+from . import vllm_api
+from .kv_usage import KvSample, KvUsageTracker
 
 logger = logging.getLogger("embedfleet.engine")
 

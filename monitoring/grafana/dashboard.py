@@ -13,10 +13,10 @@ from pathlib import Path
 
 import yaml
 
-from embedfleet.deployments.engine.vllm_api import VLLM_METRICS
-from embedfleet.monitoring import queries as q
-from embedfleet.monitoring import thresholds as t
-from embedfleet.monitoring.queries import series
+from ...deployments.engine.vllm_api import VLLM_METRICS
+from .. import queries as q
+from .. import thresholds as t
+from ..queries import series
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD_FILE = HERE / "embedfleet.json"

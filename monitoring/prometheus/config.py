@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from embedfleet.monitoring import thresholds
+from .. import thresholds
 
 RAY_SD_FILENAME = "prom_metrics_service_discovery.json"
 DEFAULT_RAY_TEMP_DIR = "/tmp/ray"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from embedfleet.monitoring.prometheus import rules
-from embedfleet.monitoring.prometheus.config import HEADER, RULE_FILES, RULES_DIR, render_prometheus_config
+from . import rules
+from .config import HEADER, RULE_FILES, RULES_DIR, render_prometheus_config
 
 HERE = Path(__file__).resolve().parent
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from embedfleet.monitoring import queries as q
-from embedfleet.monitoring import thresholds as t
-from embedfleet.monitoring.queries import series
+from .. import queries as q
+from .. import thresholds as t
+from ..queries import series
 
 # Exported (scraped) names, spelled once here.
 REQUESTS = "ray_embedfleet_requests_total"

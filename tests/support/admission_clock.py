@@ -3,7 +3,7 @@ budget's own admissions (no private state set): for tests only, never installed.
 
 from __future__ import annotations
 
-from embedfleet.deployments.request_path.admission import AdmissionBudget
+from embedfleet.deployments.replica.admission import AdmissionBudget
 
 
 class Clock:

@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from embedfleet.deployments.api.openai import EmbeddingRequest
-from embedfleet.deployments.api.tei import TeiEmbedRequest, TeiTokenizeRequest
+from embedfleet.deployments.ingress.openai import EmbeddingRequest
+from embedfleet.deployments.ingress.tei import TeiEmbedRequest, TeiTokenizeRequest
 
 # Every depth a few levels either side of where something changes: 1..64 all, orjson's
 # encoder (255) and parser (1,024) limits, the 300 and 800, and the far end.

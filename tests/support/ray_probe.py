@@ -1,6 +1,6 @@
 """Record how Ray exports user metrics, for ``testdata/ray-scrape.txt``.
 
-``embedfleet.deployments.metrics.MetricSpec.exported`` encodes Ray's naming (``ray_`` prefix, ``_total`` on
+``embedfleet.deployments.common.metrics.MetricSpec.exported`` encodes Ray's naming (``ray_`` prefix, ``_total`` on
 counters, histogram suffixes); the tests check it against a scrape recorded by this probe. Re-run
 it after upgrading Ray and commit the new file:
 

@@ -42,15 +42,15 @@ class RayTouchPoint(NamedTuple):
 
 T = RayTouchPoint
 
-# Keyword names deployments/options.py and deployments/control/registry.py pass to serve.deployment(...)
+# Keyword names deployments/config/ray_options.py and deployments/fleet/registry.py pass to serve.deployment(...)
 # and Deployment.options(...), and that cluster/render.py emits per deployment in the Serve YAML.
 DEPLOYMENT_OPTIONS = ("name", "num_replicas", "ray_actor_options", "max_ongoing_requests",
                       "max_queued_requests", "health_check_period_s", "health_check_timeout_s",
                       "graceful_shutdown_timeout_s", "autoscaling_config", "request_router_config")
-# deployments/options.py engine_deployment_options: autoscaling_config keys.
+# deployments/config/ray_options.py engine_deployment_options: autoscaling_config keys.
 AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests",
                     "upscale_delay_s", "downscale_delay_s", "look_back_period_s")
-# deployments/options.py card_actor_options and the router/registry/governor options.
+# deployments/config/ray_options.py card_actor_options and the router/registry/governor options.
 RAY_ACTOR_OPTIONS = ("num_cpus", "num_gpus", "resources")
 # cluster/local.py start_head and cluster/manifest_launcher.py (cluster launcher / on-prem commands).
 RAY_START_FLAGS = ("head", "address", "port", "dashboard_port", "dashboard_host", "resources",
@@ -65,8 +65,8 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
         ("get", "tests/support/ray_probe.py"),
         ("remote", "tests/support/ray_probe.py"),
         ("nodes", "deployments/engine/platform.py card_identity"),
-        ("available_resources", "deployments/control/placement.py card_counts"),
-        ("cluster_resources", "deployments/control/placement.py card_counts"),
+        ("available_resources", "deployments/fleet/placement.py card_counts"),
+        ("cluster_resources", "deployments/fleet/placement.py card_counts"),
         ("get_runtime_context", "deployments/engine/platform.py card_identity"),
     )),
     T("_private/worker.py", "init",
@@ -81,8 +81,8 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     T("_private/worker.py", "get", used_by="ray_probe"),
     T("_private/worker.py", "remote", used_by="ray_probe (@ray.remote(num_cpus=0) class)"),
     T("_private/state.py", "nodes", used_by="deployments/engine/platform.py: NodeID/NodeName/Resources"),
-    T("_private/state.py", "available_resources", used_by="deployments/control/placement.py"),
-    T("_private/state.py", "cluster_resources", used_by="deployments/control/placement.py"),
+    T("_private/state.py", "available_resources", used_by="deployments/fleet/placement.py"),
+    T("_private/state.py", "cluster_resources", used_by="deployments/fleet/placement.py"),
     T("runtime_context.py", "get_runtime_context", used_by="deployments/engine/platform.py"),
     T("runtime_context.py", "RuntimeContext.get_accelerator_ids",
       used_by="deployments/engine/platform.py: the card id Ray assigned ({'NPU': [...]})"),
@@ -90,17 +90,17 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     T("util/__init__.py", "get_node_ip_address",
       used_by="deployments/engine/platform.py (ray.util.get_node_ip_address), cluster/local.py node_ip"),
     # -- ray.exceptions ------------------------------------------------------------------------
-    *(T("exceptions.py", n, used_by="deployments/api/router.py REPLICA_GONE (retried elsewhere)")
+    *(T("exceptions.py", n, used_by="deployments/ingress/router.py REPLICA_GONE (retried elsewhere)")
       for n in ("RayActorError", "ActorDiedError", "ActorUnavailableError")),
-    # -- ray.util.metrics (deployments/metrics.py get(), monitoring ray_probe) -----------------
+    # -- ray.util.metrics (deployments/common/metrics.py get(), monitoring ray_probe) -----------------
     T("util/metrics.py", "Counter.__init__", ("name", "description", "tag_keys"),
-      used_by="deployments/metrics.py"),
+      used_by="deployments/common/metrics.py"),
     T("util/metrics.py", "Counter.inc", ("value", "tags"), used_by="router, replica, budget"),
     T("util/metrics.py", "Gauge.__init__", ("name", "description", "tag_keys"),
-      used_by="deployments/metrics.py"),
+      used_by="deployments/common/metrics.py"),
     T("util/metrics.py", "Gauge.set", ("value", "tags"), used_by="replica, governor, limits"),
     T("util/metrics.py", "Histogram.__init__", ("name", "description", "boundaries", "tag_keys"),
-      used_by="deployments/metrics.py"),
+      used_by="deployments/common/metrics.py"),
     T("util/metrics.py", "Histogram.observe", ("value", "tags"), used_by="router, replica"),
     # vLLM's RayPrometheusStatLogger, which embedfleet plugs into every engine
     # (deployments/engine/vllm_api.py ray_stat_logger), uses these too (vLLM 0.23 and 0.32 alike):
@@ -108,26 +108,26 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="vLLM v1/metrics/ray_wrappers.py reads metric._tag_keys"),
     T("serve/exceptions.py", "RayServeException",
       used_by="vLLM ray_wrappers._get_replica_id (the ReplicaId label of ray_vllm_*)"),
-    # -- ray.util.state (deployments/control/placement.py pending_replica_actors) ----------------------
-    T("util/state/__init__.py", "list_actors", used_by="deployments/control/placement.py"),
-    # deployments/control/durable.py: overrides and governor state in the GCS-backed KV.
+    # -- ray.util.state (deployments/fleet/placement.py pending_replica_actors) ----------------------
+    T("util/state/__init__.py", "list_actors", used_by="deployments/fleet/placement.py"),
+    # deployments/fleet/durable.py: overrides and governor state in the GCS-backed KV.
     T("experimental/internal_kv.py", "_internal_kv_initialized",
-      used_by="deployments/control/durable.py DurableStore.connected"),
+      used_by="deployments/fleet/durable.py DurableStore.connected"),
     T("experimental/internal_kv.py", "_internal_kv_put", ("key", "value", "overwrite", "namespace"),
-      used_by="deployments/control/durable.py"),
+      used_by="deployments/fleet/durable.py"),
     T("experimental/internal_kv.py", "_internal_kv_get", ("key", "namespace"),
-      used_by="deployments/control/durable.py"),
+      used_by="deployments/fleet/durable.py"),
     T("experimental/internal_kv.py", "_internal_kv_del", ("key", "namespace"),
-      used_by="deployments/control/durable.py"),
+      used_by="deployments/fleet/durable.py"),
     T("experimental/internal_kv.py", "_internal_kv_list", ("prefix", "namespace"),
-      used_by="deployments/control/durable.py"),
+      used_by="deployments/fleet/durable.py"),
     T("util/state/api.py", "list_actors", ("filters", "limit"),
-      used_by="deployments/control/placement.py: filters=[('state', '=', 'PENDING_CREATION')]"),
+      used_by="deployments/fleet/placement.py: filters=[('state', '=', 'PENDING_CREATION')]"),
     T("util/state/common.py", "ActorState", ("class_name", "state", "node_id", "pid"),
-      used_by="deployments/control/placement.py reads a.class_name (ReplicaActors: node_id, pid)"),
+      used_by="deployments/fleet/placement.py reads a.class_name (ReplicaActors: node_id, pid)"),
     T("_private/custom_types.py", "ACTOR_STATUS",
       contains=("'PENDING_CREATION'", "'DEPENDENCIES_UNREADY'", "'RESTARTING'", "'ALIVE'"),
-      used_by="deployments/control/placement.py: the state of an actor waiting for resources; "
+      used_by="deployments/fleet/placement.py: the state of an actor waiting for resources; "
               "ReplicaActors' live states"),
     # -- Ray Data (cluster/embed_corpus.py: `embedfleet embed-corpus`) ---------------------------
     *(T("data/__init__.py", n, used_by="cluster/embed_corpus.py")
@@ -152,11 +152,11 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="cluster/embed_corpus.py: the job prints its own progress"),
     T("data/block.py", "BlockAccessor.to_batch_format",
       used_by="tests/test_embed_corpus.py: batches as a worker gets them"),
-    # -- Serve's request router (deployments/request_path/affinity.py: prefix affinity) --------
-    *(T("serve/request_router.py", n, used_by="deployments/request_path/affinity.py")
+    # -- Serve's request router (deployments/ingress/affinity.py: prefix affinity) --------
+    *(T("serve/request_router.py", n, used_by="deployments/ingress/affinity.py")
       for n in ("PendingRequest", "ReplicaID", "RunningReplica")),
     T("serve/_private/request_router/__init__.py", "PowerOfTwoChoicesRequestRouter",
-      used_by="deployments/request_path/affinity.py: the base class (Serve's default router)"),
+      used_by="deployments/ingress/affinity.py: the base class (Serve's default router)"),
     T("serve/_private/request_router/pow_2_router.py",
       "PowerOfTwoChoicesRequestRouter.choose_replicas", ("candidate_replicas", "pending_request"),
       used_by="affinity.py: the power-of-two rank, called through super()"),
@@ -165,9 +165,9 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       contains=("self._deployment_id = deployment_id", "self._replicas: Dict[ReplicaID, "
                 "RunningReplica] = {}", "self._replica_id_set: Set[ReplicaID] = set()"),
       used_by="affinity.py reads _deployment_id, _replicas, _replica_id_set; "
-              "tests/test_affinity_router.py builds one"),
+              "tests/test_affinity_policy.py builds one"),
     *(T("serve/_private/request_router/request_router.py", f"RequestRouter.{n}", params,
-        used_by="deployments/request_path/affinity.py")
+        used_by="deployments/ingress/affinity.py")
       for n, params in (("initialize_state", ()), ("update_replicas", ("replicas",)),
                         ("on_request_routed", ("pending_request", "replica_id", "result")),
                         ("replica_queue_len_cache", ()),
@@ -183,57 +183,57 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     T("serve/_private/request_router/replica_wrapper.py", "RunningReplica.routing_stats",
       used_by="affinity.py: which replicas report their prefix cache on"),
     T("serve/_private/constants.py", "REQUEST_ROUTING_STATS_METHOD",
-      value="record_routing_stats", used_by="deployments/replica.py record_routing_stats"),
+      value="record_routing_stats", used_by="deployments/replica/engine_replica.py record_routing_stats"),
     T("serve/config.py", "RequestRouterConfig",
       ("request_router_class", "request_router_kwargs", "request_routing_stats_period_s"),
-      used_by="deployments/options.py affinity_router_config"),
+      used_by="deployments/config/ray_options.py affinity_router_config"),
     # -- Serve: the API ------------------------------------------------------------------------
     *(T("serve/__init__.py", n, used_by=u) for n, u in (
-        ("deployment", "deployments/app.py, deployments/control/registry.py"),
-        ("ingress", "deployments/api/router.py mount_routes: serve.ingress(app)(cls)"),
+        ("deployment", "deployments/app.py, deployments/fleet/registry.py"),
+        ("ingress", "deployments/ingress/router.py mount_routes: serve.ingress(app)(cls)"),
         ("status", "cluster/cli.py collect_status"),
         ("get_deployment_handle", "cluster/cli.py collect_status, cmd_prefix_cache"),
         ("get_app_handle", "cluster/embed_corpus.py: the app's ingress, Router or engine"),
-        ("get_replica_context", "deployments/replica.py"),
+        ("get_replica_context", "deployments/replica/engine_replica.py"),
         ("Application", "deployments/app.py (from ray.serve import Application)"),
     )),
     T("serve/api.py", "deployment", ("_func_or_class", *DEPLOYMENT_OPTIONS),
-      used_by="deployments/control/registry.py serve.deployment(FleetRegistry, name=..., ...)"),
-    T("serve/api.py", "ingress", ("app",), used_by="deployments/api/router.py"),
+      used_by="deployments/fleet/registry.py serve.deployment(FleetRegistry, name=..., ...)"),
+    T("serve/api.py", "ingress", ("app",), used_by="deployments/ingress/router.py"),
     T("serve/api.py", "status", used_by="cluster/cli.py"),
     T("serve/api.py", "get_deployment_handle", ("deployment_name", "app_name"),
       used_by="cluster/cli.py"),
     T("serve/api.py", "get_app_handle", ("name",), used_by="cluster/embed_corpus.py"),
-    T("serve/api.py", "get_replica_context", used_by="deployments/replica.py"),
+    T("serve/api.py", "get_replica_context", used_by="deployments/replica/engine_replica.py"),
     T("serve/deployment.py", "Deployment.options", DEPLOYMENT_OPTIONS,
-      used_by="deployments/app.py with deployments/options.py's dicts"),
+      used_by="deployments/app.py with deployments/config/ray_options.py's dicts"),
     T("serve/deployment.py", "Deployment.bind", used_by="deployments/app.py"),
-    T("serve/context.py", "ReplicaContext", ("replica_id",), used_by="deployments/replica.py"),
+    T("serve/context.py", "ReplicaContext", ("replica_id",), used_by="deployments/replica/engine_replica.py"),
     T("serve/_private/common.py", "ReplicaID", ("unique_id",),
-      used_by="deployments/replica.py: serve.get_replica_context().replica_id.unique_id"),
+      used_by="deployments/replica/engine_replica.py: serve.get_replica_context().replica_id.unique_id"),
     T("serve/_private/common.py", "DeploymentID.to_replica_actor_class_name",
       contains=("f'ServeReplica:{self.app_name}:{self.name}'",),
-      used_by="deployments/control/placement.py matches actor class names 'ServeReplica:<app>:<dep>'"),
+      used_by="deployments/fleet/placement.py matches actor class names 'ServeReplica:<app>:<dep>'"),
     T("serve/_private/common.py", "ReplicaState.RUNNING", value="RUNNING",
       used_by="cluster/cli.py _states / settled (replica_states keys)"),
     T("serve/config.py", "AutoscalingConfig", AUTOSCALING_KEYS,
-      used_by="deployments/options.py autoscaling_config"),
+      used_by="deployments/config/ray_options.py autoscaling_config"),
     T("serve/config.py", "ProxyLocation", ("EveryNode", "HeadOnly"),
-      used_by="deployments/config.py router.proxy_location -> cluster/render.py"),
+      used_by="deployments/config/schema.py router.proxy_location -> cluster/render.py"),
     # EveryNode on a local multi-node cluster (every node on one machine): the Python proxies can
     # all bind router.port only because Serve sets SO_REUSEPORT, on unless this variable says "0";
     # HAProxy's is off unless it says "1" (then `-dR` disables it), so there EveryNode's second
     # HAProxy cannot bind, and the config resolves HeadOnly (EmbedfleetConfig.proxy_location).
     T("serve/_private/proxy.py", "SOCKET_REUSE_PORT_ENABLED",
       contains=("'SERVE_SOCKET_REUSE_PORT_ENABLED'", "'1'"),
-      used_by="deployments/config.py proxy_location: EveryNode allowed on local nodes with "
+      used_by="deployments/config/schema.py proxy_location: EveryNode allowed on local nodes with "
               "http_ingress: serve_proxy"),
     T("serve/_private/haproxy.py", "HAProxyConfig.enable_so_reuseport",
       contains=("os.environ.get('SERVE_SOCKET_REUSE_PORT_ENABLED', '0') == '1'",),
-      used_by="deployments/config.py proxy_location: HeadOnly on local nodes with haproxy"),
+      used_by="deployments/config/schema.py proxy_location: HeadOnly on local nodes with haproxy"),
     T("serve/_private/haproxy.py", "",
       contains=("if not self.cfg.enable_so_reuseport:", "args.append('-dR')"),
-      used_by="deployments/config.py proxy_location: HeadOnly on local nodes with haproxy"),
+      used_by="deployments/config/schema.py proxy_location: HeadOnly on local nodes with haproxy"),
     T("serve/_private/http_util.py", "start_asgi_http_server", ("enable_so_reuseport",),
       used_by="the proxy binds router.port with SO_REUSEPORT"),
     # Serve calls the user class's check_health and __del__ (every embedfleet deployment has one
@@ -244,25 +244,25 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     # the head's environment, and replaces a proxy after 3 failed checks.
     T("serve/_private/constants.py", "PROXY_HEALTH_CHECK_PERIOD_S",
       contains=("'RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S'",),
-      used_by="deployments/options.py HEAD_ENV_VARS -> cluster/local.py, manifest_kuberay.py"),
+      used_by="deployments/config/ray_options.py HEAD_ENV_VARS -> cluster/local.py, manifest_kuberay.py"),
     # router.http_ingress: haproxy. The controller and each Router replica read HAProxy mode from
     # their node's environment (options.ray_node_env); `embedfleet down` finds Serve's orphaned
     # HAProxy by its config folder (cluster/local.py stop_serve_haproxy).
     T("serve/_private/constants.py", "RAY_SERVE_ENABLE_HA_PROXY",
       contains=("'RAY_SERVE_ENABLE_HA_PROXY'",),
-      used_by="deployments/options.py ray_node_env -> cluster/local.py, manifest_*.py"),
+      used_by="deployments/config/ray_options.py ray_node_env -> cluster/local.py, manifest_*.py"),
     T("serve/_private/constants.py", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC",
       contains=("'/tmp/haproxy-serve/haproxy.cfg'",),
       used_by="cluster/local.py _SERVE_HAPROXY_CONFIG_DIR"),
     # deployments/options.MAX_ONGOING_REQUESTS: an async actor runs this many calls at once, and
     # Serve raises it only to a larger max_ongoing_requests (no headroom for health checks).
     T("_common/ray_constants.py", "DEFAULT_MAX_CONCURRENCY_ASYNC", value=1000,
-      used_by="deployments/options.py RAY_ASYNC_ACTOR_CONCURRENCY"),
+      used_by="deployments/config/ray_options.py RAY_ASYNC_ACTOR_CONCURRENCY"),
     T("serve/_private/deployment_state.py", "",
       contains=("> ray_constants.DEFAULT_MAX_CONCURRENCY_ASYNC",),
-      used_by="deployments/options.py MAX_ONGOING_REQUESTS (Serve's max_concurrency override)"),
+      used_by="deployments/config/ray_options.py MAX_ONGOING_REQUESTS (Serve's max_concurrency override)"),
     T("serve/_private/constants.py", "PROXY_HEALTH_CHECK_UNHEALTHY_THRESHOLD", value=3,
-      used_by="deployments/options.py HEAD_ENV_VARS (the ~6 s figure in its comment)"),
+      used_by="deployments/config/ray_options.py HEAD_ENV_VARS (the ~6 s figure in its comment)"),
     T("serve/_private/replica.py", "", contains=("hasattr(self._callable, '__del__')",),
       used_by="EngineReplica.__del__, MemoryGovernor.__del__ (leave the registry, cancel tasks)"),
     T("serve/_private/replica.py", "",
@@ -274,11 +274,11 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     T("serve/handle.py", "DeploymentHandle.remote", used_by="router, replica, cli"),
     T("serve/handle.py", "DeploymentResponse.__await__", used_by="router, replica (await)"),
     T("serve/handle.py", "DeploymentResponse.result", ("timeout_s",), used_by="cluster/cli.py"),
-    T("serve/handle.py", "DeploymentResponse.cancel", used_by="deployments/api/router.py on hold expiry"),
+    T("serve/handle.py", "DeploymentResponse.cancel", used_by="deployments/ingress/router.py on hold expiry"),
     # -- Serve: exceptions ---------------------------------------------------------------------
-    T("serve/exceptions.py", "BackPressureError", used_by="deployments/api/router.py -> 429"),
+    T("serve/exceptions.py", "BackPressureError", used_by="deployments/ingress/router.py -> 429"),
     T("serve/exceptions.py", "DeploymentUnavailableError.message",
-      used_by="deployments/api/router.py -> 503 NotReady(err.message)"),
+      used_by="deployments/ingress/router.py -> 503 NotReady(err.message)"),
     # -- Serve: serve.status() -----------------------------------------------------------------
     T("serve/schema.py", "ServeStatus", ("applications",), used_by="cluster/cli.py"),
     T("serve/schema.py", "ApplicationStatusOverview", ("status", "message", "deployments"),
@@ -294,7 +294,7 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="cluster/render.py"),
     T("serve/schema.py", "DeploymentSchema", DEPLOYMENT_OPTIONS, used_by="cluster/render.py"),
     T("serve/schema.py", "RayActorOptionsSchema", RAY_ACTOR_OPTIONS,
-      used_by="deployments/options.py card_actor_options -> render and app"),
+      used_by="deployments/config/ray_options.py card_actor_options -> render and app"),
     # -- Serve's REST deploy through the dashboard (cluster/local.py) --------------------------
     T("dashboard/modules/serve/sdk.py", "ServeSubmissionClient.__init__",
       ("dashboard_head_address",), used_by="cluster/local.py rest_deploy, rest_delete"),
@@ -324,11 +324,11 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="cluster/local.py start_head; cluster/manifest_launcher.py head/worker start commands"),
     T("scripts/scripts.py", "stop", ("force",), used_by="cluster/local.py stop_head"),
     T("scripts/scripts.py", "status", ("address",), used_by="cluster/local.py ray_running"),
-    # -- the logical NPU resource (deployments/options.py, platform.py, ascend_checks.py) -----
+    # -- the logical NPU resource (deployments/config/ray_options.py, platform.py, ascend_checks.py) -----
     T("_private/accelerators/__init__.py", "NPUAcceleratorManager",
       used_by="Ray's accelerator manager for the 'NPU' resource"),
     T("_private/accelerators/npu.py", "NPUAcceleratorManager.get_resource_name", value="NPU",
-      used_by="deployments/options.py card_actor_options {'NPU': 1}"),
+      used_by="deployments/config/ray_options.py card_actor_options {'NPU': 1}"),
     T("_private/accelerators/npu.py", "ASCEND_RT_VISIBLE_DEVICES_ENV_VAR",
       value="ASCEND_RT_VISIBLE_DEVICES",
       used_by="deployments/engine/platform.py VISIBLE_DEVICES_ENV, ascend_checks.py"),
@@ -344,7 +344,7 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     T("_private/accelerators/npu.py", "NPUAcceleratorManager.get_current_node_num_accelerators",
       contains=("'/dev/davinci[0-9]*'",),
       used_by="deployments/engine/ascend_checks.py: Ray counts /dev/davinci* like the check does"),
-    # -- how Ray exports user metrics (deployments/metrics.py MetricSpec.exported) -------------
+    # -- how Ray exports user metrics (deployments/common/metrics.py MetricSpec.exported) -------------
     # ray.util.metrics.Counter records a count (not a sum) while OpenTelemetry is on (default);
     # the node's reporter agent registers a monotonic sum as an observable *counter* named
     # ray_<name>, a gauge as ray_<name>, a histogram as ray_<name>; OpenTelemetry's Prometheus
@@ -352,11 +352,11 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     # name does not end in it, and "_bucket"/"_count"/"_sum" to a histogram.
     T("_private/ray_constants.py", "RAY_ENABLE_OPEN_TELEMETRY",
       contains=("env_bool('RAY_enable_open_telemetry', True)",),
-      used_by="deployments/metrics.py: the OpenTelemetry export path is the default"),
+      used_by="deployments/common/metrics.py: the OpenTelemetry export path is the default"),
     T("util/metrics.py", "Counter.__init__", contains=("CythonCount(",),
-      used_by="deployments/metrics.py counters -> monotonic sums -> Prometheus counters"),
+      used_by="deployments/common/metrics.py counters -> monotonic sums -> Prometheus counters"),
     T("_private/telemetry/open_telemetry_metric_recorder.py", "NAMESPACE", value="ray",
-      used_by="deployments/metrics.py MetricSpec.exported: the ray_ prefix"),
+      used_by="deployments/common/metrics.py MetricSpec.exported: the ray_ prefix"),
     T("_private/telemetry/open_telemetry_metric_recorder.py",
       "OpenTelemetryMetricRecorder.register_counter_metric",
       contains=("self.meter.create_observable_counter(name=f'{NAMESPACE}_{name}'",),
@@ -419,7 +419,7 @@ KNOWN_DIFFERENCES: tuple[RayDifference, ...] = (
     RayDifference(
         T("_private/telemetry/open_telemetry_metric_recorder.py",
           "OpenTelemetryMetricRecorder._resolve_gauge_ttl_seconds",
-          used_by="deployments/metrics.py gauges (card memory terms, replica_ready, inflight)"),
+          used_by="deployments/common/metrics.py gauges (card memory terms, replica_ready, inflight)"),
         "Ray 2.60's metrics agent keeps a gauge's last value for 2 report intervals and serves it "
         "on every scrape in that time; 2.55.1's agent clears a gauge's observations after each "
         "scrape (open_telemetry_metric_recorder.py: 'Clear after reading (gauges report last "
@@ -463,7 +463,7 @@ KNOWN_DIFFERENCES: tuple[RayDifference, ...] = (
         T("serve/_private/constants.py", "",
           contains=("'RAY_SERVE_HAPROXY_RETRY_ON'", "'RAY_SERVE_HAPROXY_RETRIES'",
                     "'RAY_SERVE_HAPROXY_TUNE_BUFSIZE'"),
-          used_by="deployments/options.py HAPROXY_REPLAY_ENV, router.http_replay_max_bytes"),
+          used_by="deployments/config/ray_options.py HAPROXY_REPLAY_ENV, router.http_replay_max_bytes"),
         "Ray 2.60's HAProxy config takes its retry policy, retries and buffer size from "
         "RAY_SERVE_HAPROXY_RETRY_ON / _RETRIES / _TUNE_BUFSIZE (rendered into the defaults and "
         "global sections); 2.55.1's template has no retry policy and a fixed buffer.",

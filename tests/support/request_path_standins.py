@@ -14,9 +14,9 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from embedfleet.deployments import metrics
-from embedfleet.deployments.contracts import Fingerprint
-from embedfleet.deployments.request_path.replica_path import RequestPath
+from embedfleet.deployments.common import metrics
+from embedfleet.deployments.common.contracts import Fingerprint
+from embedfleet.deployments.replica.request_path import RequestPath
 
 
 def gate_of(next_engine: Callable[[], Any]) -> SimpleNamespace:

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from embedfleet.deployments import metrics
-from embedfleet.deployments.api.router import new_api, router_deployment
-from embedfleet.deployments.api.routes import ApiRoutes
-from embedfleet.deployments.config import EmbedfleetConfig, parse_config
-from embedfleet.deployments.contracts import EmbedResult, Fingerprint
-from embedfleet.deployments.request_path.pipeline import EmbedPipeline
+from embedfleet.deployments.common import metrics
+from embedfleet.deployments.ingress.router import new_api, router_deployment
+from embedfleet.deployments.ingress.routes import ApiRoutes
+from embedfleet.deployments.config.schema import EmbedfleetConfig, parse_config
+from embedfleet.deployments.common.contracts import EmbedResult, Fingerprint
+from embedfleet.deployments.ingress.pipeline import EmbedPipeline
 
 MODEL = "all-minilm-l6-v2"
 

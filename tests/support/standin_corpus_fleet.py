@@ -26,8 +26,8 @@ import numpy as np
 
 from embedfleet.cluster import embed_corpus as ec
 from embedfleet.cluster.corpus_out import take_block
-from embedfleet.deployments.contracts import BatchResult
-from embedfleet.deployments.errors import InputTooLong, RequestTooLarge
+from embedfleet.deployments.common.contracts import BatchResult
+from embedfleet.deployments.common.errors import InputTooLong, RequestTooLarge
 
 PRINT = {"x-embedfleet-model-digest": "abc", "x-embedfleet-dtype": "float32",
          "x-embedfleet-engine": "vllm", "x-embedfleet-platform": "cpu"}

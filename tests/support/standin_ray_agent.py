@@ -7,7 +7,7 @@ embedfleet engine replica exports through Ray's metrics agent, as Prometheus scr
 scrape job must be ``ray``, as in the shipped config, since every query selects ``job="ray"``).
 Never point a real Prometheus at it.
 
-What it imitates from Ray's export of the replica's gauges (``embedfleet.deployments.metrics``): the names
+What it imitates from Ray's export of the replica's gauges (``embedfleet.deployments.common.metrics``): the names
 with Ray's ``ray_`` prefix —
 
   ray_embedfleet_card_memory_used_bytes       device memory in use (driver view)
@@ -41,7 +41,7 @@ import threading
 from dataclasses import asdict, dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from embedfleet.deployments.metrics import BY_NAME
+from embedfleet.deployments.common.metrics import BY_NAME
 
 #: card term -> the series Prometheus scrapes (Ray's exported name of the replica's gauge).
 SERIES: dict[str, str] = {

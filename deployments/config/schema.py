@@ -28,6 +28,7 @@ from .router import (RouterConfig, direct_ingress_refusal,
 from .affinity import RoutingConfig
 from ..common.contracts import Ceiling
 from .model_source import ModelSource
+from .rerank import ModelTask, RerankConfig, check_rerank_fields
 from .governor import GovernorConfig
 from ..common.long_input import LongInputPolicy
 from ..common.prompts import PromptTemplates
@@ -213,6 +214,15 @@ class MonitoringConfig(_Strict):
 class ModelConfig(_Strict):
     name: ModelName = Field(description="The `model` field clients send.")
     source: ModelSource
+    task: ModelTask = Field(
+        default="embed", description="The model's role: embed (vectors; /v1/embeddings, /embed) "
+        "or rerank (a cross-encoder or Qwen3-Reranker scoring (query, document) pairs; /rerank, "
+        "/v1/rerank, /v2/rerank, /score). Each role answers only its own routes.")
+    hf_overrides: dict[str, Any] | None = Field(
+        default=None, description="vLLM's hf_overrides for the model's HF config. A known "
+        "reranker family (engine/rerank_models.py) gets its own when unset; wrong ones are "
+        "refused with the fix.")
+    rerank: RerankConfig = RerankConfig()
     dtype: Dtype | None = Field(default=None, description="None = the platform's default dtype.")
     max_model_len: PositiveInt | None = Field(
         default=None, description="Max input tokens; None = what the model's config allows."
@@ -234,6 +244,8 @@ class ModelConfig(_Strict):
     prompts: PromptTemplates | None = Field(
         default=None, description="Named instruction templates a request picks by prompt_name.")
     limits: RequestLimits = RequestLimits()
+
+    _rerank_fields = model_validator(mode="before")(check_rerank_fields)
 
     @property
     def max_request_tokens(self) -> int:
@@ -390,6 +402,8 @@ class EmbedfleetConfig(_Strict):
         }
         if m.max_model_len:
             kw["max_model_len"] = m.max_model_len
+        if m.hf_overrides:
+            kw["hf_overrides"] = dict(m.hf_overrides)
         if m.engine.gpu_memory_utilization is not None:
             kw["gpu_memory_utilization"] = m.engine.gpu_memory_utilization
         if self.platform.kind == "cpu":

@@ -1,6 +1,6 @@
 """One request's work is bounded before the expensive part (issue 38): inputs, characters (from the
 body, before tokenising) and tokens (once tokenised, before the engine); a large call reaches the
-engine in runs scheduled as bulk work, so a query goes between them. Stand-ins replace the
+engine in runs at bulk's priority, admitted in its own lane, so a query goes between them. Stand-ins replace the
 tokenizer and vLLM only; the config, the pipeline's checks and the admission budget are real."""
 
 from __future__ import annotations
@@ -103,9 +103,10 @@ def test_a_small_interactive_call_is_one_run_at_interactive_priority():
     assert [(len(p), prio) for p, prio in engine.calls] == [(4, 0)]
 
 
-def test_a_large_interactive_call_goes_in_runs_as_bulk_and_a_query_goes_between_them():
-    """The giant call's runs are at most large_call_tokens, admitted in the bulk lane at bulk's
-    vLLM priority; a query sent while the giant runs is embedded before the giant's last run."""
+def test_a_large_interactive_call_goes_in_interactive_runs_at_bulk_priority_between_queries():
+    """The giant call's runs are at most large_call_tokens, each admitted in the interactive lane
+    (it is an interactive caller's) and sent at bulk's vLLM priority; a query sent while the
+    giant runs is embedded before the giant's last run."""
     engine, budget = RecordingEngine(), AdmissionBudget(64, 4096)
     giant = [[k + 1] * 10 for k in range(20)]  # 200 tokens
     big = request_path_over(lambda: engine, budget, giant, large_call_tokens=30)
@@ -125,8 +126,43 @@ def test_a_large_interactive_call_goes_in_runs_as_bulk_and_a_query_goes_between_
     query_at = next(i for i, (p, _) in enumerate(engine.calls) if p[0][0] == 99)
     assert engine.calls[query_at][1] == 0 and query_at < len(engine.calls) - 1
     assert out.vectors[:, 0].tolist() == [float(k + 1) for k in range(20)]  # input order
-    assert budget.snapshot()["admitted_bulk_total"] == 7
+    snap = budget.snapshot()
+    assert snap["admitted_bulk_total"] == 0 and snap["admitted_total"] == 7 + 1
     assert budget._inflight_tokens == 0
+
+
+def test_a_large_interactive_call_is_admitted_while_a_corpus_job_fills_the_bulk_lane():
+    """Bulk holds its in-flight share and its one waiting place (bulk_max_waiting=1): a new bulk
+    call gets 429 "bulk lane is full", but a large interactive call is still admitted and
+    answered, its runs at bulk's vLLM priority."""
+    from embedfleet.deployments.common.errors import Overloaded
+
+    engine, budget = RecordingEngine(), AdmissionBudget(8, 4096, bulk_max_waiting=1)
+    giant = [[k + 1] * 10 for k in range(6)]  # 60 tokens, > large_call_tokens
+    big = request_path_over(lambda: engine, budget, giant, large_call_tokens=20)
+
+    async def hold(release: asyncio.Event) -> None:
+        async with budget.admit(1, 10, lane="bulk"):
+            await release.wait()
+
+    async def scenario():
+        release = asyncio.Event()
+        corpus = [asyncio.create_task(hold(release)) for _ in range(7)]  # 6 in flight, 1 waits
+        await asyncio.sleep(0.01)
+        snap = budget.snapshot()
+        assert snap["inflight_bulk_sequences"] == 6 and snap["waiting_bulk"] == 1
+        with pytest.raises(Overloaded, match="bulk lane is full"):
+            async with budget.admit(1, 10, lane="bulk"):
+                pass
+        out = await asyncio.wait_for(big.embed(EmbedCall(["x"] * 6, "big", "m")), 10)
+        release.set()
+        await asyncio.gather(*corpus)
+        return out
+
+    out = asyncio.run(scenario())
+    assert out.vectors[:, 0].tolist() == [float(k + 1) for k in range(6)]
+    assert [(len(p), prio) for p, prio in engine.calls] == [(2, 1)] * 3  # 20 tokens a run
+    assert budget.snapshot()["rejected"]["bulk_queue_full"] == 1
 
 
 @pytest.mark.parametrize("expose", [False, True])

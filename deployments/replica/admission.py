@@ -13,11 +13,12 @@ Rules, and why:
   - bulk holds at most ``bulk_max_inflight_share`` of the budget, so a query arriving during a
     flood finds room at once; while queries come (one in the last ``INTERACTIVE_RECENT_S``), at
     most the tokens the card drains in ``bulk_max_drain_s`` (``drain_rate.py``), and the replica
-    sends a bulk call in runs of that size (``follows``: a call's next run waits at the head of
-    its lane, past the waiting limits). Bulk alone keeps its whole share;
+    sends a bulk call in runs of that size. Bulk alone keeps its whole share;
   - while bulk waits, it is owed ``bulk_min_share`` of the tokens admitted (a deficit count,
     reset when bulk's queue empties): a steady interactive stream never starves it;
   - at most ``bulk_max_waiting`` bulk calls queue; past it, or past its wait bound, 429.
+* **A call's next run** (``follows``) is not refused for the waiting limits (work done is kept);
+  in bulk it waits at its lane's head, in interactive (a large call) at the tail: queries first.
 * **Oversize runs alone.** A request larger than the whole budget (more sequences or tokens than
   the limits) is admitted once nothing else is in flight, and nothing is admitted beside it. A
   budget the governor cut low must slow big inputs down, never reject them forever.
@@ -161,8 +162,9 @@ class AdmissionBudget:
 
         Waits in its lane for at most ``timeout_s`` (None: the budget's ``queue_timeout_s``; 0: do
         not queue). Raises ``Overloaded`` when the queue is full or the wait times out.
-        ``follows``: the next run of a call already admitted (a bulk call goes in runs): it waits
-        at the head of its lane and past the waiting limits, so work done is not refused.
+        ``follows``: the next run of a call already admitted (a bulk or a large interactive call
+        goes in runs): it waits past the waiting limits, so work done is not refused; in bulk at
+        the head of the lane, in the interactive lane at its tail (queries go between runs).
         """
         admission = await self._acquire(n_seqs, n_tokens, timeout_s, lane, follows)
         started = self._clock()
@@ -180,10 +182,11 @@ class AdmissionBudget:
         if lane == "interactive":
             self._tick(busy=self._inflight_seqs > 0)  # the time before this query is accounted
             self._last_interactive_t = self._clock()
-        ahead = self._ahead_of_new("interactive" if follows else lane)
+        head = follows and lane == "bulk"  # a bulk call's next run waits at its lane's head
+        ahead = self._ahead_of_new("interactive" if head else lane)
         # An interactive call overtakes waiting bulk calls, unless bulk is owed its share.
         if not ahead and self._fits(n_seqs, n_tokens, lane) and (
-                follows or not self._bulk_owed()):
+                lane == "bulk" or not self._bulk_owed()):
             return self._take(n_seqs, n_tokens, lane, in_window=bool(self._lanes["bulk"]))
         refusal = None if follows else self._refusal(lane, timeout)
         if refusal is not None:
@@ -191,7 +194,7 @@ class AdmissionBudget:
                                fallback_hold_s=1.0 if timeout <= 0 else timeout)
 
         waiter = _Waiter(n_seqs, n_tokens, asyncio.get_running_loop().create_future(), lane)
-        (self._lanes[lane].appendleft if follows else self._lanes[lane].append)(waiter)
+        (self._lanes[lane].appendleft if head else self._lanes[lane].append)(waiter)
         self._waiting_seqs += n_seqs
         self._waiting_tokens += n_tokens
         self._wake()  # e.g. an interactive call queued for owed bulk that the bulk cap holds back

@@ -6,8 +6,10 @@ to the engine, whose own scheduler (vLLM's) batches them. There is no batcher in
 vLLM re-batched whatever a batcher grouped, so it only added a wait and a copy. A bulk-lane call
 is admitted and sent in runs of at most what bulk may hold in flight (``_run_end``), so queries
 arriving during a flood find drain-sized engine steps ahead of them. A large interactive call
-(more than ``large_call_tokens``: many inputs, or one long input's chunks) is scheduled the same
-way, as bulk work: one giant request is one slow client, never a stalled card.
+(more than ``large_call_tokens``: many inputs, or one long input's chunks) goes in runs the same
+way, each admitted in the interactive lane behind the queries that came meanwhile, and at bulk's
+vLLM priority: one giant request is one slow client, never a stalled card, and a corpus job's
+full bulk lane never refuses it (it is an interactive caller's).
 
 A call's tokens are bounded (``max_tokens``, the model's ``limits``) once it is tokenised and
 planned, before any of it is admitted: 413 past it.
@@ -98,9 +100,8 @@ class RequestPath:
                 f"the request's inputs make {prepared.piece_tokens} tokens to embed (chunk "
                 f"windows included), more than model '{self.model}''s limits.max_tokens of "
                 f"{self.max_tokens}; split it over several requests", param=self.preparer.param)
-        lane: Lane = ("bulk" if call.lane == "bulk"
-                      or prepared.piece_tokens > self._large_call_tokens else "interactive")
-        out = await self._runs(prepared.pieces, call, lane)
+        large = call.lane == "bulk" or prepared.piece_tokens > self._large_call_tokens
+        out = await self._runs(prepared.pieces, call, "bulk" if large else "interactive")
         vectors = self.preparer.finish(prepared, [e.vector for e in out],
                                        dimensions=call.dimensions, normalize=call.normalize)
         cached = sum(e.num_cached_tokens for e in out)
@@ -110,20 +111,21 @@ class RequestPath:
                            prepared.input_tokens, cached, self._replica_id, self.fingerprint(),
                            report)
 
-    async def _runs(self, pieces: list[list[int]], call: EmbedCall, lane: Lane
+    async def _runs(self, pieces: list[list[int]], call: EmbedCall, schedule: Lane
                     ) -> list[Embedding]:
         """The call's pieces through the owner queue and the engine: one run for an interactive
-        call, bulk (and a large call, scheduled as bulk: ``lane``) in drain-sized runs
-        (``_run_end``), each run after the first at the head of bulk's queue. One call's vectors
-        come from one engine (the chunks of a long input are merged): a swap between two runs
-        (prefix caching switched) sends the call again."""
+        call; a bulk or a large call (``schedule`` bulk) in drain-sized runs (``_run_end``) at
+        bulk's vLLM priority, each run admitted in the call's own lane (``follows``). One call's
+        vectors come from one engine (the chunks of a long input are merged): a swap between two
+        runs (prefix caching switched) sends the call again."""
         for _ in range(SWAP_RESENDS + 1):
             out: list[Embedding] = []
             engines: list[EmbeddingEngine] = []
             start = 0
             while start < len(pieces):
-                end = self._run_end(pieces, start, lane, call.lane)
-                got, engine = await self._admitted_run(pieces[start:end], call, lane, start > 0)
+                end = self._run_end(pieces, start, schedule, call.lane)
+                got, engine = await self._admitted_run(pieces[start:end], call, schedule,
+                                                       start > 0)
                 out += got
                 engines.append(engine)
                 start = end
@@ -141,8 +143,9 @@ class RequestPath:
         already in the engine, and a whole 32-text call was the floor of that wait (145 ms a
         step on one core of this machine). Within bulk's sequence share too, so a run is never
         oversize. At least one piece per run: a piece is not split. A large interactive call's
-        runs are also at most ``large_call_tokens``: until the card's drain rate is known,
-        bulk's cap is its whole share, a second or more of work on a slow card."""
+        runs are sized the same (they run at bulk's priority in the engine) and also at most
+        ``large_call_tokens``: until the card's drain rate is known, bulk's cap is its whole
+        share, a second or more of work on a slow card."""
         if lane != "bulk":
             return len(pieces)
         cap, end, tokens = self.queue.bulk_token_cap, start + 1, len(pieces[start])
@@ -154,16 +157,17 @@ class RequestPath:
             end += 1
         return end
 
-    async def _admitted_run(self, run: list[list[int]], call: EmbedCall, lane: Lane,
+    async def _admitted_run(self, run: list[list[int]], call: EmbedCall, schedule: Lane,
                             follows: bool) -> tuple[list[Embedding], EmbeddingEngine]:
-        """One run admitted in ``lane``, then embedded; with the engine that embedded it."""
+        """One run admitted in the call's lane, then embedded at ``schedule``'s vLLM priority;
+        with the engine that embedded it."""
         n_tokens = sum(len(p) for p in run)
-        async with self.queue.admit(len(run), n_tokens, lane=lane, follows=follows):
+        async with self.queue.admit(len(run), n_tokens, lane=call.lane, follows=follows):
             self.inflight_sequences += len(run)
             self.inflight_tokens += n_tokens
             self._rec.observe("embedfleet_engine_batch_size", len(run), self._tag)
             try:
-                return await self._engine_call(run, call.normalize, LANE_PRIORITY[lane])
+                return await self._engine_call(run, call.normalize, LANE_PRIORITY[schedule])
             finally:
                 self.inflight_sequences -= len(run)
                 self.inflight_tokens -= n_tokens

@@ -127,8 +127,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if (why := unplaceable(cfg) or keys_missing_here(cfg)) is not None:
         print(f"embedfleet up: refused: {why}", file=sys.stderr)
         return 2
-    local.start_head(cfg.cards, cfg.platform.card_resource, cfg.nodes, ray_head_env(cfg),
-                     loopback=is_loopback(cfg.router.host))
+    local.start_head(cfg.cards, cfg.platform.card_resource, cfg.nodes, ray_head_env(cfg))
     prom = start_monitoring(cfg)
     if prom:
         print(f"prometheus: {prom} (scraping Ray's metrics service discovery)")

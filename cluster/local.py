@@ -48,44 +48,40 @@ def ray_running(address: str) -> bool:
 
 
 def local_node_name(i: int) -> str:
-    return f"local-node-{i}"
+    """Node ``i``'s Ray node name. The head keeps Ray's default, its IP: Serve takes a node's
+    name for its address (its node cache reads ``node_name`` as the IP), and its HAProxy reaches
+    a replica on its own node at localhost only when the replica's IP equals that address. A
+    named head sent HAProxy to the machine's address for every Router replica, which binds
+    ``router.host`` (loopback by default): all of them were DOWN and HAProxy ran on its backup,
+    Serve's proxy, which cannot replay a request whose Router died. The worker nodes share the
+    machine's IP, so their names are what tells their cards apart."""
+    return node_ip() if i == 0 else f"local-node-{i}"
 
 
 def start_head(cards: int, resource: str = "NPU", nodes: int = 1,
-               ray_env: dict[str, str] | None = None, loopback: bool = False) -> str:
+               ray_env: dict[str, str] | None = None) -> str:
     """Start a local Ray cluster with ``cards`` logical cards, or join the one already running.
 
     ``nodes > 1`` starts a head and ``nodes - 1`` worker nodes on this machine, each with
-    ``cards / nodes`` cards and its own node name (they all share this machine's IP, so the name
-    is what tells their cards apart). ``ray_env`` is every node's `ray start` environment
-    (``options.ray_head_env``: on one machine the head's serves the worker nodes too).
-
-    ``loopback`` (a loopback ``router.host``) starts every node on 127.0.0.1. Serve's HAProxy
-    reaches each ingress replica at its node's address, and the replica's server binds
-    ``router.host`` like HAProxy's frontend does (one ``http_options.host`` for both): with the
-    machine's own address as the node's, every ingress replica was unreachable on loopback, and
-    HAProxy sent all traffic through its backup (Serve's proxy), which cannot replay a request
-    whose Router died."""
+    ``cards / nodes`` cards and the name ``local_node_name`` gives it (they all share this
+    machine's IP, so the name is what tells their cards apart; the head keeps its IP). ``ray_env`` is every node's `ray start` environment
+    (``options.ray_head_env``: on one machine the head's serves the worker nodes too)."""
     s = settings()
-    ip = "127.0.0.1" if loopback else node_ip()
-    address = f"{ip}:{s.ray_port}"
-    at_ip = [f"--node-ip-address={ip}"] if loopback else []
+    address = f"{node_ip()}:{s.ray_port}"
     if ray_running(address):
         print(f"joining the Ray head already running at {address}")
         return address
     per_node = cards // nodes
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(ray_env or {})}
-    named = [f"--node-name={local_node_name(0)}"] if nodes > 1 else []
     cmd = [RAY, "start", "--head", f"--port={s.ray_port}",
            f"--dashboard-port={s.dashboard_port}", "--dashboard-host=127.0.0.1",
-           f"--resources={json.dumps({resource: per_node})}", "--disable-usage-stats", *named,
-           *at_ip]
+           f"--resources={json.dumps({resource: per_node})}", "--disable-usage-stats"]
     _ray_start(cmd, env)
     for i in range(1, nodes):
         # Port 0 = any free port: the head's dashboard agent already holds the default one.
         _ray_start([RAY, "start", f"--address={address}", f"--node-name={local_node_name(i)}",
                     f"--resources={json.dumps({resource: per_node})}",
-                    "--dashboard-agent-listen-port=0", "--disable-usage-stats", *at_ip], env)
+                    "--dashboard-agent-listen-port=0", "--disable-usage-stats"], env)
     shape = f"{nodes} nodes x {per_node}" if nodes > 1 else str(cards)
     print(f"started a Ray cluster at {address} with {shape} logical {resource} card(s)")
     return address

@@ -138,17 +138,16 @@ def test_up_refuses_keys_it_cannot_load_before_starting_anything(tmp_path, capsy
                      config_file(tmp_path, api_keys_file=str(keys))]) == 0
 
 
-def test_a_loopback_router_host_starts_every_local_node_on_loopback(monkeypatch):
-    """Serve's HAProxy reaches an ingress replica at its node's address and the replica binds
-    router.host: a loopback host on nodes with the machine's address left every Router
-    unreachable (HAProxy ran on its backup, Serve's proxy, which cannot replay)."""
+def test_the_local_head_keeps_its_ip_as_its_node_name(monkeypatch):
+    """Serve reads a node's name as its address, and its HAProxy reaches a Router replica on
+    its own node at localhost only when the two agree: a named head sent it to the machine's
+    address, where a Router bound to loopback (the default) cannot be reached."""
     started: list[list[str]] = []
     monkeypatch.setattr(local, "ray_running", lambda address: False)
     monkeypatch.setattr(local, "_ray_start", lambda cmd, env: started.append(cmd))
     monkeypatch.setattr(local, "node_ip", lambda: "192.0.2.2")
-    assert local.start_head(2, nodes=2, loopback=True).startswith("127.0.0.1:")
-    assert len(started) == 2
-    assert all("--node-ip-address=127.0.0.1" in cmd for cmd in started)
-    started.clear()
-    assert local.start_head(2, nodes=2, loopback=False).startswith("192.0.2.2:")
-    assert not any(a.startswith("--node-ip-address") for cmd in started for a in cmd)
+    local.start_head(4, nodes=2)
+    head, worker = started
+    assert not any(a.startswith("--node-name") for a in head)
+    assert "--node-name=local-node-1" in worker
+    assert local.local_node_name(0) == "192.0.2.2"

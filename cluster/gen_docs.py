@@ -153,10 +153,10 @@ def configuration_md() -> str:
 # -- the HTTP API --------------------------------------------------------------------------------
 def openapi_document() -> dict[str, Any]:
     """The Router's OpenAPI document (a direct engine app publishes the same one)."""
-    from ..deployments.ingress.router import new_api, router_deployment
+    from ..deployments.ingress.router import Router, mount_routes, new_api
 
     app = new_api()
-    router_deployment(app)
+    mount_routes(app, Router)
     return app.openapi()
 
 

@@ -24,7 +24,7 @@ from .fleet.registry import FleetRegistry
 from .engine.lifecycle import DEFAULT_ENGINE_FACTORY
 from .replica.engine_replica import EngineReplica
 from .ingress.direct import direct_deployment
-from .ingress.router import router_deployment
+from .ingress.router import Router, mount_routes, new_api
 
 
 def build(cfg: EmbedfleetConfig,
@@ -49,8 +49,8 @@ def build(cfg: EmbedfleetConfig,
                 data, m.name, registry, factories.get(m.name, DEFAULT_ENGINE_FACTORY), governor)
         for m in cfg.models
     }
-    return serve.deployment(router_deployment()).options(**router_deployment_options(cfg)).bind(
-        data, engines, registry, governor)
+    return serve.deployment(mount_routes(new_api(), Router)).options(
+        **router_deployment_options(cfg)).bind(data, engines, registry, governor)
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -40,7 +40,7 @@ DEPLOY = """
 import json, sys
 import ray
 from ray import serve
-from embedfleet.deployments.ingress.router import router_deployment
+from embedfleet.deployments.ingress.router import Router, mount_routes, new_api
 from embedfleet.deployments.config.schema import config_to_data, load_config
 from embedfleet.deployments.fleet.governor import MemoryGovernor
 from embedfleet.deployments.fleet.registry import FleetRegistry
@@ -64,7 +64,8 @@ engines = {m.name: serve.deployment(EngineReplica).options(
 opts = router_deployment_options(cfg)
 opts["ray_actor_options"] = {**opts["ray_actor_options"],
                              "label_selector": {"ray.io/node-id": node["NodeID"]}}
-app = serve.deployment(router_deployment()).options(**opts).bind(data, engines, registry, governor)
+app = serve.deployment(mount_routes(new_api(), Router)).options(**opts).bind(
+    data, engines, registry, governor)
 try:  # serve.run returns once the app runs, and raises when it ends DEPLOY_FAILED
     serve.run(app, name=cfg.app_name, route_prefix=prefix)
 except RuntimeError:

@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 
 from embedfleet.deployments.common import metrics
 from embedfleet.deployments.ingress.auth import load_api_keys, load_key_lanes
-from embedfleet.deployments.ingress.router import new_api, router_deployment
+from embedfleet.deployments.ingress.router import Router, mount_routes, new_api
 from embedfleet.deployments.ingress.routes import ApiRoutes
 from embedfleet.deployments.config.schema import parse_config
 from embedfleet.deployments.common.contracts import EmbedResult, Fingerprint
@@ -47,7 +47,7 @@ def served(tmp_path, monkeypatch):
 
     api = ApiRoutes(cfg, EmbedPipeline(cfg, {MODEL: rec}), status, None, metrics.Batched())
     app = new_api()
-    router_deployment(app)
+    mount_routes(app, Router)
     monkeypatch.setattr(ray.serve, "get_replica_context",
                         lambda: SimpleNamespace(servable_object=SimpleNamespace(api=api)))
     client = TestClient(app)

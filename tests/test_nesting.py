@@ -1,5 +1,5 @@
 """No 5xx from any body within the size limit: JSON nested 1..5,000 levels deep in every typed
-field of every JSON route, through the router's real app (``router_deployment(app)``), its real
+field of every JSON route, through the router's real app (``mount_routes(app, Router)``), its real
 pipeline and the shipped body limit; only the model's replicas and tokenizer are stand-ins, since
 a body this wrong never reaches them (and one that does is answered like any other).
 

@@ -1,6 +1,6 @@
 """The OpenAPI document (`/openapi.json`) against the routes it describes, without a cluster.
 
-The app is the router's own (``router_deployment(app)``: ``serve.ingress`` needs no Ray), its
+The app is the router's own (``mount_routes(app, Router)``: ``serve.ingress`` needs no Ray), its
 handlers served in-process with fake model calls, so schemathesis can check real responses -
 bodies, statuses, headers - against the document. ``fuzz`` is also the e2e test's runner
 (tests/test_e2e_schemathesis.py).
@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
 
 from embedfleet.deployments.common import metrics
 from embedfleet.deployments.ingress.openapi import RETRY_LATER, ROUTE_ERRORS
-from embedfleet.deployments.ingress.router import new_api, router_deployment
+from embedfleet.deployments.ingress.router import Router, mount_routes, new_api
 from embedfleet.deployments.ingress.routes import ApiRoutes
 from embedfleet.deployments.config.schema import parse_config
 from embedfleet.deployments.common.contracts import (BudgetView, CardStatus, EmbedResult, Fingerprint,
@@ -126,7 +126,7 @@ def served():
     api = ApiRoutes(cfg, EmbedPipeline(cfg, {MODEL: model}), status, fake_tokenize,
                     metrics.Batched())
     app = new_api()
-    router_deployment(app)
+    mount_routes(app, Router)
     # serve.ingress injects the Router as `self` from the replica's context: make it ours
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ray.serve, "get_replica_context",
@@ -147,7 +147,7 @@ def _healthy(request):
 @pytest.fixture(scope="module")
 def doc():
     app = new_api()
-    router_deployment(app)
+    mount_routes(app, Router)
     return app.openapi()
 
 
@@ -162,7 +162,7 @@ def test_a_direct_engine_app_publishes_the_routers_document(doc):
     assert app.openapi() == doc
     # The API keys are set on ``cls._app`` in the replica: it must be the app Serve serves there,
     # the copy serve.ingress freezes (its pickle round trip rebinds the class attribute).
-    for ingress in (cls, router_deployment()):
+    for ingress in (cls, mount_routes(new_api(), Router)):
         frozen = inspect.getclosurevars(ingress.__init__).nonlocals["frozen_app_or_func"]
         assert frozen is ingress._app
     assert issubclass(cls, EngineReplica) and cls.__name__ == "DirectEngine"

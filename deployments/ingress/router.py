@@ -1,15 +1,18 @@
 """The Router: the HTTP ingress of a multi-model application (FastAPI under Serve).
 
-``router_deployment()`` makes a fresh FastAPI app and ingress class per Serve application, so
-what belongs to one application — its API keys above all — is that app's state, never a module
-global shared by whatever else runs in the process. Each model is reached through its Serve
-handle (``ingress.remote.RemoteCaller``); the routes are ``ingress.routes.ApiRoutes``.
+``class Router`` is the deployment; ``mount_routes(new_api(), Router)`` gives each Serve
+application its own FastAPI app with the routes on it, so what belongs to one application — its
+API keys above all — is that app's state, never a module global shared by whatever else runs in
+the process. Each model is reached through its Serve handle (``ingress.remote.RemoteCaller``);
+the routes are ``ingress.routes.ApiRoutes``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import types
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -107,10 +110,56 @@ def serve_api_keys(app: FastAPI, cfg: EmbedfleetConfig) -> None:
                        "anyone who reaches it may use it", router.host)
 
 
-class RouterCore:
-    """The Router's state: every model through its Serve handle (``RemoteCaller``)."""
+def route(method: str, path: str) -> Callable[[Callable], Callable]:
+    """Marks an ``ApiIngress`` method as the handler of ``method path`` (``mount_routes`` adds it
+    to each application's own app; a FastAPI decorator here would need one app for all)."""
+    def mark(handler: Callable) -> Callable:
+        handler.route = (method, path)  # type: ignore[attr-defined]
+        return handler
+    return mark
 
-    _app: FastAPI  # set by ``mount_routes``
+
+class ApiIngress:
+    """embedfleet's HTTP routes, over ``self.api`` (an ``ApiRoutes`` the subclass's ``__init__``
+    sets): the Router's, and a one-model app's engine replica's (``ingress/direct.py``). Each
+    route's body, responses and errors are documented by ``ingress.openapi.doc``: the handlers
+    read the raw request themselves, so FastAPI cannot see them."""
+
+    api: ApiRoutes
+    _app: FastAPI  # this application's own app, set by ``mount_routes``
+
+    @route("POST", "/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        return await self.api.embeddings(request)
+
+    @route("POST", "/embed")
+    async def tei_embed(self, request: Request) -> Response:
+        return await self.api.tei_embed(request)
+
+    @route("POST", "/tokenize")
+    async def tei_tokenize(self, request: Request) -> Response:
+        return await self.api.tei_tokenize(request)
+
+    async def embed_batch(self, call: BatchCall) -> BatchResult:
+        """Not HTTP: the corpus job's call through this deployment's Serve handle."""
+        return await self.api.embed_batch(call)
+
+    @route("GET", "/v1/models")
+    async def models(self, request: Request) -> Response:
+        return await self.api.models(request)
+
+    @route("GET", "/health")
+    async def health(self) -> Response:
+        return await self.api.health()
+
+    @route("GET", "/ready")
+    async def ready(self) -> Response:
+        return await self.api.ready()
+
+
+class Router(ApiIngress):
+    """The HTTP ingress of a multi-model application: every model through its Serve handle
+    (``RemoteCaller``). Deployed as ``mount_routes(new_api(), Router)``."""
 
     async def __init__(self, config: dict[str, Any], engines: dict[str, Any],
                        registry: Any, governor: Any = None) -> None:
@@ -130,50 +179,32 @@ class RouterCore:
                              self.recorder)
 
 
-def mount_routes(app: FastAPI, core: type) -> type:
-    """``core`` (whose ``__init__`` sets ``self.api``, an ``ApiRoutes``) as a Serve ingress class
-    with embedfleet's routes on ``app``: the Router, or a one-model app's engine replica
-    (``ingress/direct.py``). Each route's body, responses and errors are documented by
-    ``ingress.openapi.doc``: the handlers read the raw request themselves, so FastAPI cannot see
-    them."""
-
-    class Ingress(core):  # type: ignore[misc, valid-type]
-        _app = app
-
-        @app.post("/v1/embeddings", **openapi.doc("/v1/embeddings"))
-        async def embeddings(self, request: Request) -> Response:
-            return await self.api.embeddings(request)
-
-        @app.post("/embed", **openapi.doc("/embed"))
-        async def tei_embed(self, request: Request) -> Response:
-            return await self.api.tei_embed(request)
-
-        @app.post("/tokenize", **openapi.doc("/tokenize"))
-        async def tei_tokenize(self, request: Request) -> Response:
-            return await self.api.tei_tokenize(request)
-
-        async def embed_batch(self, call: BatchCall) -> BatchResult:
-            """Not HTTP: the corpus job's call through this deployment's Serve handle."""
-            return await self.api.embed_batch(call)
-
-        @app.get("/v1/models", **openapi.doc("/v1/models"))
-        async def models(self, request: Request) -> Response:
-            return await self.api.models(request)
-
-        @app.get("/health", **openapi.doc("/health"))
-        async def health(self) -> Response:
-            return await self.api.health()
-
-        @app.get("/ready", **openapi.doc("/ready"))
-        async def ready(self) -> Response:
-            return await self.api.ready()
-
-    # Serve's name for the class (not __qualname__: Serve finds the routes by it)
-    Ingress.__name__ = core.__name__.removesuffix("Core")
-    return serve.ingress(app)(Ingress)
+def _own_handler(handler: Callable) -> Callable:
+    """A copy of a route handler for one application: Serve's ``ingress`` rewrites a handler's
+    signature and tags it with its class, so two applications must not share one."""
+    copy = types.FunctionType(handler.__code__, handler.__globals__, handler.__name__,
+                              handler.__defaults__, handler.__closure__)
+    copy.__qualname__, copy.__module__ = handler.__qualname__, handler.__module__
+    copy.__doc__, copy.__annotations__ = handler.__doc__, dict(handler.__annotations__)
+    copy.__kwdefaults__ = handler.__kwdefaults__
+    return copy
 
 
-def router_deployment(app: FastAPI | None = None) -> type:
-    """The Router class for one Serve application (a new FastAPI app each call; tests pass their
-    own ``new_api()`` to read its OpenAPI document and call its routes without Serve)."""
-    return mount_routes(new_api() if app is None else app, RouterCore)
+def mount_routes(app: FastAPI, cls: type) -> type:
+    """``cls`` (``Router``, or a one-model app's engine class) as the Serve ingress class of one
+    application, serving ``ApiIngress``'s routes on ``app``, that application's own FastAPI app
+    (``new_api()``): its API keys are its own state, never a module global shared by whatever
+    else runs in the process (tests pass their own app to read its OpenAPI document and call its
+    routes without Serve).
+
+    The class Serve runs is ``cls`` with ``_app`` bound, under ``cls``'s name. It is pickled by
+    value with the handlers, so the copy of ``app`` that ``serve.ingress`` freezes rebinds its
+    ``_app`` (``tests/test_openapi.py`` checks that the keys land on the app Serve serves)."""
+    bases = (cls,) if issubclass(cls, ApiIngress) else (ApiIngress, cls)
+    name = cls.__name__.removesuffix("Core")
+    on_app = type(name, bases, {"_app": app, "__module__": cls.__module__, "__qualname__": name})
+    for handler in vars(ApiIngress).values():
+        if hasattr(handler, "route"):
+            method, path = handler.route
+            app.add_api_route(path, _own_handler(handler), methods=[method], **openapi.doc(path))
+    return serve.ingress(app)(on_app)

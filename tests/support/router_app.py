@@ -1,4 +1,4 @@
-"""The router's real FastAPI app (``router_deployment(app)``) and its real pipeline, served
+"""The router's real FastAPI app (``mount_routes(app, Router)``) and its real pipeline, served
 in-process through starlette's TestClient, with STAND-INS for what sits behind the pipeline: the
 model's replicas (a constant vector per input) and its tokenizer (one token per text). For tests
 of what the HTTP layer answers, where the engine is not the point."""
@@ -15,7 +15,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from embedfleet.deployments.common import metrics
-from embedfleet.deployments.ingress.router import new_api, router_deployment
+from embedfleet.deployments.ingress.router import Router, mount_routes, new_api
 from embedfleet.deployments.ingress.routes import ApiRoutes
 from embedfleet.deployments.config.schema import EmbedfleetConfig, parse_config
 from embedfleet.deployments.common.contracts import EmbedResult, Fingerprint
@@ -53,7 +53,7 @@ def router_client(cfg: EmbedfleetConfig, status=None) -> Iterator[TestClient]:
     api = ApiRoutes(cfg, EmbedPipeline(cfg, {m.name: standin_replicas for m in cfg.models}),
                     status, standin_tokenize, metrics.Batched())
     app = new_api()
-    router_deployment(app)
+    mount_routes(app, Router)
     with pytest.MonkeyPatch.context() as mp:  # serve.ingress's `self` is the replica's: ours
         mp.setattr(ray.serve, "get_replica_context",
                    lambda: SimpleNamespace(servable_object=SimpleNamespace(api=api)))

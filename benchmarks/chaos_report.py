@@ -1,6 +1,7 @@
 """The chaos run's report: the whole run, each fault's window and memory, by model; and its text.
 
-The figures of record (what the README quotes for a soak) are under ``summary``.
+The figures of record (what docs/benchmarks.md, "Chaos and soak", quotes for a soak) are under
+``summary``.
 """
 
 from __future__ import annotations

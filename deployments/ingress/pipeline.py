@@ -5,6 +5,10 @@ Adapters (``ingress/openai.py``, ``ingress/tei.py``) only translate their wire s
 ``EmbedRequest`` and the ``Embedded`` result back, so the same bad input gets the same error on
 both. Each model is reached through a ``Caller``: a Serve handle to its replicas, with the
 bounded hold and the retry of a call whose replica died (``ingress/remote.py``).
+
+A request's slices run as one task group: the first slice that fails (413 past its token bound,
+429, 503) cancels its siblings, and the cancel reaches their replicas (``RemoteCaller``), so no
+card keeps working for a request already answered with an error.
 """
 
 from __future__ import annotations
@@ -110,6 +114,17 @@ def check_request_size(cfg: EmbedfleetConfig, m: ModelConfig, inputs: list, para
             f"limits.max_tokens of {bound}; split it over several requests", param=param)
 
 
+async def call_all(caller: Caller, calls: list[EmbedCall]) -> list[EmbedResult]:
+    """Every slice at once, in order; the first to fail cancels the others and is raised as
+    itself (a typed error keeps its status), not as an exception group."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(caller(c)) for c in calls]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
 class EmbedPipeline:
     def __init__(self, cfg: EmbedfleetConfig, callers: dict[str, Caller],
                  share: int | None = None) -> None:
@@ -179,10 +194,7 @@ class EmbedPipeline:
         calls = [EmbedCall(list(s), f"{request_id}-{k}", req.model, req.dimensions, policy,
                            req.prompt_name, req.task, req.normalize, req.lane)
                  for k, s in enumerate(slices)]
-        if len(calls) == 1:
-            results = [await caller(calls[0])]
-        else:
-            results = list(await asyncio.gather(*(caller(c) for c in calls)))
+        results = [await caller(calls[0])] if len(calls) == 1 else await call_all(caller, calls)
         vectors = (results[0].vectors if len(results) == 1
                    else np.concatenate([r.vectors for r in results]))
         reports = tuple(InputReport(k * SLICE_INPUTS + r.index, r.truncated, r.dropped_tokens,

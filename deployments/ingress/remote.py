@@ -13,6 +13,8 @@
   there is one, else on the replacement, until the bound — the larger of ``request_timeout_s``
   and ``cold_start_hold_s`` — passes; then 503 + Retry-After saying why.
 * Serve's own queue full is 429 + Retry-After.
+* A call cancelled here (its client went away, or a sibling slice of its request failed) cancels
+  its Serve request too: awaiting a response does not, and the replica would go on embedding.
 * A small call (online traffic) goes by value over Serve's gRPC transport, a large one through
   Ray's object store (``by_value``; ``router.handle_transport``).
 """
@@ -111,6 +113,9 @@ class RemoteCaller:
                                              lambda: min(self._hold_s(call.model), left_s),
                                              lambda: self._readiness.has_ready(call.model),
                                              lambda: self._unservable(call.model), sent_cold)
+            except asyncio.CancelledError:
+                response.cancel()
+                raise
             except Refused as err:
                 response.cancel()
                 raise self._refuse(call.model, str(err)) from None

@@ -148,8 +148,9 @@ class AdmissionConfig(_Strict):
     max_waiting: PositiveInt = Field(default=1024, description="Calls queued per replica.")
     large_call_tokens: PositiveInt | None = Field(
         default=None, description="An interactive call with more tokens than this (chunks "
-        "included) is scheduled as bulk work: in runs admitted one by one, behind interactive "
-        "calls, so one large request is one slow client and never a stalled card. None = an "
+        "included) goes to the engine in runs, each admitted on its own in the interactive "
+        "lane behind the queries that came meanwhile and sent at bulk's vLLM priority, so one "
+        "large request is one slow client and never a stalled card. None = an "
         "eighth of an engine step (engine.max_num_batched_tokens): a run that size is a short "
         "wait for a query on any card.")
     bulk_max_waiting: PositiveInt | None = Field(
@@ -194,10 +195,15 @@ class RequestLimits(_Strict):
     counted: that is the engine's work). Past either, 413 with the limit and the value."""
 
     max_tokens: PositiveInt | None = Field(
-        default=None, description="Tokens one call may send to the engine (a whole request on "
-        "an engine that takes HTTP itself, a slice of up to 128 inputs behind the Router), "
-        "chunk windows and their overlap included; also the most tokens /tokenize returns. "
-        "None = REQUEST_STEPS_BOUND engine steps (engine.max_num_batched_tokens each).")
+        default=None, description="Tokens one engine call may make, chunk windows and their "
+        "overlap included, checked at the replica once tokenised and before anything is "
+        "admitted. The ingress has no tokenizer, and it splits a request of more than 128 "
+        "inputs into slices of 128, each an engine call of its own: for text the bound is per "
+        "slice, so a request of n slices may make up to n times it (max_chars bounds it as a "
+        "whole before tokenising), and the first slice past it fails the request and "
+        "cancels the others. Token-id inputs are also checked as a whole request at the "
+        "ingress. Also the most tokens /tokenize returns. None = REQUEST_STEPS_BOUND engine "
+        "steps (engine.max_num_batched_tokens each).")
     max_chars: PositiveInt | None = Field(
         default=None, description="Characters of one request's texts, all inputs together, "
         "checked before tokenising. None = CHARS_PER_TOKEN_BOUND x the token bound, so text "

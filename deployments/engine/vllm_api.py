@@ -187,6 +187,8 @@ class ModelView:
     block_size: int
     pooling_type: str | None
     normalizes: bool
+    pooling_task: str = "embed"
+    """``classify`` where vLLM scores pairs with the model (a cross-encoder: ``score_type``)."""
 
 
 def model_view(llm: Any) -> ModelView:
@@ -202,7 +204,8 @@ def model_view(llm: Any) -> ModelView:
         prefix_caching=bool(cc.enable_prefix_caching), block_size=int(cc.block_size),
         pooling_type=pooler.seq_pooling_type if pooler else None,
         normalizes=bool(pooler.use_activation if pooler and pooler.use_activation is not None
-                        else True))
+                        else True),
+        pooling_task="classify" if mc.score_type == "cross-encoder" else "embed")
 
 
 def tokenizer(llm: Any) -> Any:
@@ -210,12 +213,14 @@ def tokenizer(llm: Any) -> Any:
 
 
 def pooling_request(ids: list[int], *, dimensions: int | None, skip_prefix_cache: bool,
-                    normalize: bool) -> tuple[Any, Any]:
-    """(prompt, params) for ``AsyncLLM.encode``: token ids in, one pooled vector out."""
+                    normalize: bool, task: str = "embed") -> tuple[Any, Any]:
+    """(prompt, params) for ``AsyncLLM.encode``: token ids in, one pooled vector out; with
+    ``task="classify"`` a cross-encoder's scores of one rendered pair (``normalize=False``: the
+    raw logits, else after the model's activation, sigmoid for one label)."""
     from vllm import PoolingParams
     from vllm.inputs import TokensPrompt
 
-    params = PoolingParams(task="embed", dimensions=dimensions,
+    params = PoolingParams(task=task, dimensions=dimensions,
                            skip_reading_prefix_cache=skip_prefix_cache or None,
                            use_activation=None if normalize else False)
     return TokensPrompt(prompt_token_ids=ids), params
@@ -333,7 +338,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                 "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching",
                 "kv_cache_dtype", "served_model_name", "max_model_len",
                 "gpu_memory_utilization", "kv_cache_memory_bytes", "worker_extension_cls",
-                "disable_log_stats", "scheduling_policy", "distributed_executor_backend")),
+                "disable_log_stats", "scheduling_policy", "distributed_executor_backend",
+                "hf_overrides")),
     TouchPoint("v1/engine/async_llm.py", "AsyncLLM.from_engine_args",
                ("engine_args", "stat_loggers")),
     TouchPoint("v1/engine/async_llm.py", "AsyncLLM.encode", ("prompt", "pooling_params",
@@ -356,6 +362,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("config/model.py", "ModelConfig.is_matryoshka"),
     TouchPoint("config/model.py", "ModelConfig.matryoshka_dimensions"),
     TouchPoint("config/model.py", "ModelConfig.is_attention_free"),
+    TouchPoint("config/model.py", "ModelConfig.score_type"),
     TouchPoint("config/model.py", "ModelConfig", ("max_model_len", "dtype", "pooler_config")),
     TouchPoint("config/pooler.py", "PoolerConfig", ("seq_pooling_type", "use_activation")),
     TouchPoint("config/cache.py", "CacheConfig",

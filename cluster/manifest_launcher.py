@@ -15,7 +15,7 @@ from typing import Any
 
 from .manifest_spec import (ASCEND_DRIVER_MOUNTS, ASCEND_ENV,
                             ASCEND_MANAGEMENT_DEVICES, HEAD_PORT,
-                            HF_HOME_IN_CONTAINER, METRICS_PORT,
+                            HF_HUB_CACHE_IN_CONTAINER, METRICS_PORT,
                             AscendClusterSpec, cards_per_node, cluster_spec,
                             require_ascend, require_given, resources_json)
 from .manifest_security import (AUTH_EXPORT, RAY_TOKEN_ENV,
@@ -75,8 +75,9 @@ def cluster_launcher_config(cfg: EmbedfleetConfig,
             # Only workers get cards and the Ascend stack's settings: the head runs no engine
             # and may be a machine without cards.
             "worker_run_options": env_opts + devices + driver
-            # The weights are read, never written (HF_HUB_OFFLINE=1): read-only.
-            + [f"-v {spec.hf_cache_host_path}:{HF_HOME_IN_CONTAINER}:ro"],
+            # The weights are read, never written (HF_HUB_OFFLINE=1): read-only, as HF_HUB_CACHE;
+            # HF_HOME, which Hugging Face's libraries write to, is in the container's own files.
+            + [f"-v {spec.hf_cache_host_path}:{HF_HUB_CACHE_IN_CONTAINER}:ro"],
         },
         # Ray's token and the API keys travel with `ray up` to every node (docs/security.md).
         "file_mounts": {"~/embedfleet": spec.repo_dir, **launcher_secret_mounts(cfg, spec)},

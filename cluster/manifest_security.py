@@ -15,8 +15,9 @@ take their security parts from here, so the rules live in one place and the rend
   to start (``deployments/ingress/auth.py``).
 * KubeRay pods: no privilege escalation, every capability dropped (workers keep DAC_OVERRIDE
   only, see ``WORKER_CAPABILITIES``), the head as a non-root user, the weights' hostPath
-  read-only, a bounded ``/dev/shm``, and a NetworkPolicy admitting from outside the cluster's
-  own pods only the HTTP ingress, Prometheus' scrape and the KubeRay operator.
+  read-only as HF_HUB_CACHE (HF_HOME, which Hugging Face's libraries write to, an emptyDir), a
+  bounded ``/dev/shm``, and a NetworkPolicy admitting from outside the cluster's own pods only
+  the HTTP ingress, Prometheus' scrape and the KubeRay operator.
 * GCS fault tolerance with an external Redis (KubeRay's ``gcsFaultToleranceOptions``), so the
   state kept in Ray's internal KV (the prefix-cache overrides, the governor's last limits:
   ``deployments/fleet/durable.py``) survives a head restart. Without ``cluster.redis_address``
@@ -30,7 +31,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .manifest_spec import DASHBOARD_PORT, METRICS_PORT, AscendClusterSpec
+from .manifest_spec import (DASHBOARD_PORT, HF_HOME_IN_CONTAINER, HF_HUB_CACHE_IN_CONTAINER,
+                            METRICS_PORT, AscendClusterSpec)
 from ..deployments.config.schema import EmbedfleetConfig
 
 # Where the API keys Secret is mounted on every KubeRay pod (a directory: Kubernetes refreshes a
@@ -38,6 +40,8 @@ from ..deployments.config.schema import EmbedfleetConfig
 KEYS_MOUNT_DIR = "/etc/embedfleet/api-keys"
 KEYS_SECRET_KEY = "api-keys"
 KEYS_FILE_IN_POD = f"{KEYS_MOUNT_DIR}/{KEYS_SECRET_KEY}"
+# HF_HOME holds small files only (a token, lock files; the xet cache stays empty offline).
+HF_HOME_SIZE = "1Gi"
 REDIS_PASSWORD_KEY = "password"
 REDIS_PORT = 6379
 # Ray's dashboard agent: KubeRay's RayService controller reads Serve's state through it.
@@ -92,6 +96,17 @@ def keys_volume(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return ({"name": "api-keys", "secret": {"secretName": secret_names(name)["api_keys"],
                                             "defaultMode": 0o440}},
             {"name": "api-keys", "mountPath": KEYS_MOUNT_DIR, "readOnly": True})
+
+
+def hf_volumes(host_path: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(volume, mount) pairs of a worker's Hugging Face folders: the weights' hostPath read-only
+    as HF_HUB_CACHE (``type: Directory``: a pre-fetched cache, never created empty), so a
+    compromised replica cannot plant weights the next replica loads; and HF_HOME, where Hugging
+    Face's libraries write (a token, the xet cache, lock files), a bounded emptyDir."""
+    return [({"name": "hf-cache", "hostPath": {"path": host_path, "type": "Directory"}},
+             {"name": "hf-cache", "mountPath": HF_HUB_CACHE_IN_CONTAINER, "readOnly": True}),
+            ({"name": "hf-home", "emptyDir": {"sizeLimit": HF_HOME_SIZE}},
+             {"name": "hf-home", "mountPath": HF_HOME_IN_CONTAINER})]
 
 
 def shm_volume(size: str) -> dict[str, Any]:

@@ -35,7 +35,11 @@ DASHBOARD_PORT = 8265
 CLIENT_PORT = 10001
 # KubeRay's default metrics port, used in the launcher too so one scrape config fits both.
 METRICS_PORT = 8080
-HF_HOME_IN_CONTAINER = "/models/hf"
+# The weights: the pre-fetched Hugging Face hub cache, mounted read-only as HF_HUB_CACHE. HF_HOME,
+# where Hugging Face's libraries write (a token, the xet cache, lock files), is a writable folder
+# apart from it: an emptyDir on KubeRay, the container's own filesystem in the launcher's.
+HF_HUB_CACHE_IN_CONTAINER = "/models/hf/hub"
+HF_HOME_IN_CONTAINER = "/var/tmp/hf-home"
 
 # Process environment of the Ascend stack on every node (replicas inherit it from `ray start`):
 # the engine settings replicas also set for themselves (embedfleet.deployments.engine.platform.ASCEND_ENGINE_ENV:
@@ -44,6 +48,7 @@ HF_HOME_IN_CONTAINER = "/models/hf"
 ASCEND_ENV = {
     **ASCEND_ENGINE_ENV,
     # Weights are read from this cache only (the Serve runtime env sets HF_HUB_OFFLINE=1).
+    "HF_HUB_CACHE": HF_HUB_CACHE_IN_CONTAINER,
     "HF_HOME": HF_HOME_IN_CONTAINER,
 }
 # The driver's management device nodes; every card also needs its /dev/davinciN.
@@ -103,8 +108,10 @@ class AscendClusterSpec:
         "/usr/local/Ascend/nnal/atb/set_env.sh",
     )
     """Launcher only: sourced before `ray start` on workers so replicas inherit CANN's env."""
-    hf_cache_host_path: str = "/data/embedfleet/hf"
-    """Host folder holding the pre-fetched Hugging Face cache, mounted at ``/models/hf``."""
+    hf_cache_host_path: str = "/data/embedfleet/hf/hub"
+    """Host folder holding the pre-fetched Hugging Face hub cache (``models--org--name/``, what
+    ``HF_HUB_CACHE=<it> hf download <model>`` fills; the ``hub`` folder of an ``HF_HOME``),
+    mounted read-only at ``HF_HUB_CACHE_IN_CONTAINER``."""
     device_plugin_resource: str = "huawei.com/Ascend910"
     """Kubernetes extended resource the Ascend device plugin advertises for 910B cards."""
     head_cpu: str = "8"

@@ -6,6 +6,7 @@ pod security, a NetworkPolicy, and GCS fault tolerance. Schema-level: nothing st
 from __future__ import annotations
 
 import shlex
+from pathlib import PurePosixPath
 
 import pytest
 import yaml
@@ -50,6 +51,10 @@ def _pods(svc: dict) -> list[dict]:
 def _serve_router(svc: dict) -> dict:
     return yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]["args"]["config"][
         "router"]
+
+
+def _under(path: str, folder: str) -> bool:
+    return folder == path or PurePosixPath(folder) in PurePosixPath(path).parents
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +179,22 @@ def test_kuberay_weights_are_mounted_read_only(kuberay):
     assert vol["hostPath"]["type"] == "Directory"  # pre-fetched weights: never created empty
 
 
+def test_kuberay_weights_are_the_hub_cache_and_hf_home_is_writable(kuberay):
+    """Hugging Face's libraries write to HF_HOME (a token, the xet cache, lock files): it must
+    not be the read-only weights, which are HF_HUB_CACHE alone."""
+    (svc,) = kuberay["RayService"]
+    _, worker = _pods(svc)
+    (container,) = worker["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    mounts = container["volumeMounts"]
+    (weights,) = [m for m in mounts if m["name"] == "hf-cache"]
+    assert env["HF_HUB_CACHE"] == weights["mountPath"]
+    assert not any(_under(env["HF_HOME"], m["mountPath"]) for m in mounts if m.get("readOnly"))
+    (home,) = [m for m in mounts if m["mountPath"] == env["HF_HOME"]]
+    (vol,) = [v for v in worker["spec"]["volumes"] if v["name"] == home["name"]]
+    assert vol["emptyDir"]["sizeLimit"]
+
+
 def test_kuberay_gcs_is_fault_tolerant_with_a_password_from_a_secret(kuberay):
     (svc,) = kuberay["RayService"]
     ft = svc["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
@@ -236,7 +257,15 @@ def test_launcher_syncs_the_keys_file_to_every_node(launcher):
 
 def test_launcher_weights_are_read_only(launcher):
     assert [o for o in launcher["docker"]["worker_run_options"] if o.startswith("-v /data")] == [
-        "-v /data/embedfleet/hf:/models/hf:ro"]
+        "-v /data/embedfleet/hf/hub:/models/hf/hub:ro"]
+
+
+def test_launcher_weights_are_the_hub_cache_and_hf_home_is_writable(launcher):
+    options = launcher["docker"]["worker_run_options"]
+    env = dict(o.removeprefix("-e ").split("=", 1) for o in options if o.startswith("-e "))
+    read_only = [o.split(":")[1] for o in options if o.startswith("-v ") and o.endswith(":ro")]
+    assert env["HF_HUB_CACHE"] in read_only
+    assert not any(_under(env["HF_HOME"], folder) for folder in read_only)
 
 
 def test_launcher_refuses_a_loopback_ingress():

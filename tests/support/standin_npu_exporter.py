@@ -30,11 +30,12 @@ Run: ``python -m tests.support.standin_npu_exporter --port 9101 --card n0:0:0.5 
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import threading
 from dataclasses import asdict, dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from tests.support.standin_exporter import StandinExporter, info_lines, label
 
 USED = "npu_chip_info_hbm_used_memory"
 TOTAL = "npu_chip_info_hbm_total_memory"
@@ -42,6 +43,7 @@ INFO = "standin_npu_exporter_info"
 #: 64 GB of HBM, a 910B card, in MB (npu-exporter's unit).
 DEFAULT_TOTAL_MB = 65536.0
 
+_ABOUT = __doc__ or ""  # served at GET /
 _BANNER = "STAND-IN for tests/demos, not real hardware data"
 
 
@@ -54,22 +56,15 @@ class Card:
     timestamp: float | None = None
 
 
-def _label(value: str) -> str:
-    # Text-format escaping of label values: backslash, double quote, newline.
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
 def render(cards: list[Card]) -> str:
     """The exposition text for these cards (Prometheus text format 0.0.4)."""
-    lines = [f"# HELP {INFO} {_BANNER}: embedfleet's stand-in npu-exporter.",
-             f"# TYPE {INFO} gauge",
-             f'{INFO}{{warning="{_BANNER}"}} 1']
+    lines = info_lines(INFO, _BANNER, "embedfleet's stand-in npu-exporter")
     for name, attr, what in ((USED, "used", "hbm used memory"),
                              (TOTAL, "total", "hbm total memory")):
         lines += [f"# HELP {name} {_BANNER}: the npu {what} (MB), set by a test.",
                   f"# TYPE {name} gauge"]
         for c in cards:
-            labels = f'id="{_label(c.device)}",node="{_label(c.node)}"'
+            labels = f'id="{label(c.device)}",node="{label(c.node)}"'
             sample = f"{name}{{{labels}}} {getattr(c, attr)!r}"
             if c.timestamp is not None:
                 sample += f" {int(c.timestamp * 1000)}"  # text format timestamps are in ms
@@ -77,20 +72,15 @@ def render(cards: list[Card]) -> str:
     return "\n".join(lines) + "\n"
 
 
-class StandinNpuExporter:
-    """The stand-in as an object: ``start()`` serves in a daemon thread, setters change values.
+class StandinNpuExporter(StandinExporter[Card]):
+    """The STAND-IN npu-exporter (``StandinExporter``: its card store and HTTP server)."""
 
-    Use as a context manager in tests; ``port=0`` picks a free port (see ``.port``/``.url``).
-    """
+    thread_name = "standin-npu-exporter"
+    about = _ABOUT
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._lock = threading.Lock()
-        self._cards: dict[tuple[str, str], Card] = {}
-        self._server = ThreadingHTTPServer((host, port), _make_handler(self))
-        self._server.daemon_threads = True
-        self._thread: threading.Thread | None = None
+    def render(self, cards: list[Card]) -> str:
+        return render(cards)
 
-    # --- values ---------------------------------------------------------------------------------
     def set_card(self, node: str, device: str | int, used: float, total: float,
                  timestamp: float | None = None) -> Card:
         if not total > 0 or used < 0:
@@ -105,98 +95,15 @@ class StandinNpuExporter:
                   total: float = DEFAULT_TOTAL_MB, timestamp: float | None = None) -> Card:
         return self.set_card(node, device, ratio * total, total, timestamp)
 
-    def remove(self, node: str | None = None, device: str | int | None = None) -> int:
-        """Drop matching cards (all when both are None); returns how many went."""
-        with self._lock:
-            gone = [k for k in self._cards
-                    if (node is None or k[0] == node) and (device is None or k[1] == str(device))]
-            for k in gone:
-                del self._cards[k]
-        return len(gone)
-
-    def cards(self) -> list[Card]:
-        with self._lock:
-            return sorted(self._cards.values(), key=lambda c: (c.node, c.device))
-
-    def metrics_text(self) -> str:
-        return render(self.cards())
-
-    # --- server ---------------------------------------------------------------------------------
-    @property
-    def port(self) -> int:
-        return self._server.server_address[1]
-
-    @property
-    def url(self) -> str:
-        return f"http://{self._server.server_address[0]}:{self.port}"
-
-    def start(self) -> StandinNpuExporter:
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="standin-npu-exporter")
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._server.shutdown()
-            self._thread.join(5)
-            self._thread = None
-        self._server.server_close()
-
-    def __enter__(self) -> StandinNpuExporter:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _make_handler(exporter: StandinNpuExporter) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:  # a scrape per second would flood stderr
-            pass
-
-        def _send(self, code: int, body: str, ctype: str = "application/json") -> None:
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._send(200, exporter.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
-            elif path == "/cards":
-                self._send(200, json.dumps([asdict(c) for c in exporter.cards()]))
-            elif path == "/":
-                self._send(200, __doc__ or "", "text/plain; charset=utf-8")
-            else:
-                self._send(404, json.dumps({"error": f"no route {path}"}))
-
-        def do_POST(self) -> None:
-            path = self.path.split("?", 1)[0]
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}")
-                if path == "/set":
-                    card = exporter.set_card(body["node"], body["device"], body["used"],
-                                             body["total"], body.get("timestamp"))
-                    self._send(200, json.dumps(asdict(card)))
-                elif path == "/ratio":
-                    card = exporter.set_ratio(body["node"], body["device"], body["ratio"],
-                                              body.get("total", DEFAULT_TOTAL_MB),
-                                              body.get("timestamp"))
-                    self._send(200, json.dumps(asdict(card)))
-                elif path == "/remove":
-                    n = exporter.remove(body.get("node"), body.get("device"))
-                    self._send(200, json.dumps({"removed": n}))
-                else:
-                    self._send(404, json.dumps({"error": f"no route {path}"}))
-            except (KeyError, TypeError, ValueError) as exc:  # the caller's mistake: say which
-                self._send(400, json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
-
-    return Handler
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        if path == "/set":
+            return asdict(self.set_card(body["node"], body["device"], body["used"],
+                                        body["total"], body.get("timestamp")))
+        if path == "/ratio":
+            return asdict(self.set_ratio(body["node"], body["device"], body["ratio"],
+                                         body.get("total", DEFAULT_TOTAL_MB),
+                                         body.get("timestamp")))
+        return super().post(path, body)
 
 
 def _parse_card(spec: str) -> tuple[str, str, float]:

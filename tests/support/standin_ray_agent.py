@@ -35,13 +35,12 @@ HTTP API (JSON bodies; values in bytes):
 
 from __future__ import annotations
 
-import json
 import math
-import threading
 from dataclasses import asdict, dataclass, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from embedfleet.deployments.common.metrics import BY_NAME
+from tests.support.standin_exporter import StandinExporter, info_lines, label
 
 #: card term -> the series Prometheus scrapes (Ray's exported name of the replica's gauge).
 SERIES: dict[str, str] = {
@@ -54,6 +53,7 @@ SERIES: dict[str, str] = {
 TERMS: tuple[str, ...] = tuple(SERIES)
 INFO = "standin_ray_agent_info"
 
+_ABOUT = __doc__ or ""  # served at GET /
 _BANNER = "STAND-IN for tests, not a Ray metrics agent, not real card data"
 
 
@@ -69,16 +69,9 @@ class Card:
     cache_free: float | None = None
 
 
-def _label(value: str) -> str:
-    # Text-format escaping of label values: backslash, double quote, newline.
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
 def render(cards: list[Card]) -> str:
     """The exposition text for these cards (Prometheus text format 0.0.4)."""
-    lines = [f"# HELP {INFO} {_BANNER}: embedfleet's stand-in Ray metrics agent.",
-             f"# TYPE {INFO} gauge",
-             f'{INFO}{{warning="{_BANNER}"}} 1']
+    lines = info_lines(INFO, _BANNER, "embedfleet's stand-in Ray metrics agent")
     for term, name in SERIES.items():
         lines += [f"# HELP {name} {_BANNER}: the replica's {term} term (bytes), set by a test.",
                   f"# TYPE {name} gauge"]
@@ -88,7 +81,7 @@ def render(cards: list[Card]) -> str:
                 continue
             # A node name is the node IP unless Ray was started with --node-name; Ray's own
             # NodeAddress is always the IP, which the stand-in takes to be the node name.
-            labels = ",".join(f'{k}="{_label(v)}"' for k, v in (
+            labels = ",".join(f'{k}="{label(v)}"' for k, v in (
                 ("Component", "core_worker"), ("NodeAddress", c.node),
                 ("SessionName", "session_standin"), ("Version", "standin"),
                 ("WorkerId", c.worker_id), ("device", c.device), ("node", c.node)))
@@ -96,20 +89,15 @@ def render(cards: list[Card]) -> str:
     return "\n".join(lines) + "\n"
 
 
-class StandinRayAgent:
-    """The stand-in as an object: ``start()`` serves in a daemon thread, setters change values.
+class StandinRayAgent(StandinExporter[Card]):
+    """The STAND-IN Ray metrics agent (``StandinExporter``: its card store and HTTP server)."""
 
-    Use as a context manager in tests; ``port=0`` picks a free port (see ``.port``/``.url``).
-    """
+    thread_name = "standin-ray-agent"
+    about = _ABOUT
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._lock = threading.Lock()
-        self._cards: dict[tuple[str, str], Card] = {}
-        self._server = ThreadingHTTPServer((host, port), _make_handler(self))
-        self._server.daemon_threads = True
-        self._thread: threading.Thread | None = None
+    def render(self, cards: list[Card]) -> str:
+        return render(cards)
 
-    # --- values ---------------------------------------------------------------------------------
     def set_card(self, node: str, device: str | int, *, used: float | None = None,
                  total: float | None = None, kv_pool: float | None = None,
                  kv_free: float | None = None, cache_free: float | None = None,
@@ -141,94 +129,11 @@ class StandinRayAgent:
             card = self._cards[key] = replace(self._cards[key], **dict.fromkeys(terms))
         return card
 
-    def remove(self, node: str | None = None, device: str | int | None = None) -> int:
-        """Drop matching cards (all when both are None); returns how many went."""
-        with self._lock:
-            gone = [k for k in self._cards
-                    if (node is None or k[0] == node) and (device is None or k[1] == str(device))]
-            for k in gone:
-                del self._cards[k]
-        return len(gone)
-
-    def cards(self) -> list[Card]:
-        with self._lock:
-            return sorted(self._cards.values(), key=lambda c: (c.node, c.device))
-
-    def metrics_text(self) -> str:
-        return render(self.cards())
-
-    # --- server ---------------------------------------------------------------------------------
-    @property
-    def port(self) -> int:
-        return self._server.server_address[1]
-
-    @property
-    def url(self) -> str:
-        return f"http://{self._server.server_address[0]}:{self.port}"
-
-    def start(self) -> StandinRayAgent:
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="standin-ray-agent")
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._server.shutdown()
-            self._thread.join(5)
-            self._thread = None
-        self._server.server_close()
-
-    def __enter__(self) -> StandinRayAgent:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _make_handler(agent: StandinRayAgent) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:  # a scrape per second would flood stderr
-            pass
-
-        def _send(self, code: int, body: str, ctype: str = "application/json") -> None:
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._send(200, agent.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
-            elif path == "/cards":
-                self._send(200, json.dumps([asdict(c) for c in agent.cards()]))
-            elif path == "/":
-                self._send(200, __doc__ or "", "text/plain; charset=utf-8")
-            else:
-                self._send(404, json.dumps({"error": f"no route {path}"}))
-
-        def do_POST(self) -> None:
-            path = self.path.split("?", 1)[0]
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}")
-                if path == "/set":
-                    card = agent.set_card(body["node"], body["device"],
-                                          worker_id=body.get("worker_id"),
-                                          **{t: body.get(t) for t in TERMS})
-                    self._send(200, json.dumps(asdict(card)))
-                elif path == "/drop":
-                    card = agent.drop(body["node"], body["device"], *body["terms"])
-                    self._send(200, json.dumps(asdict(card)))
-                elif path == "/remove":
-                    n = agent.remove(body.get("node"), body.get("device"))
-                    self._send(200, json.dumps({"removed": n}))
-                else:
-                    self._send(404, json.dumps({"error": f"no route {path}"}))
-            except (KeyError, TypeError, ValueError) as exc:  # the caller's mistake: say which
-                self._send(400, json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
-
-    return Handler
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        if path == "/set":
+            return asdict(self.set_card(body["node"], body["device"],
+                                        worker_id=body.get("worker_id"),
+                                        **{t: body.get(t) for t in TERMS}))
+        if path == "/drop":
+            return asdict(self.drop(body["node"], body["device"], *body["terms"]))
+        return super().post(path, body)

@@ -8,8 +8,12 @@
 * ``replica.reporter.Reporter`` — the heartbeat to the registry, ``describe()``, state gauges;
 * ``engine.lifecycle.EngineLifecycle`` — starting and stopping engines (with their reaper).
 
-This class learns its card, prepares the process for the platform, builds the parts and hands
-Serve's calls to them.
+Two steps, as Ray Serve LLM's server: ``build`` makes the parts that need no engine from the
+config sections (no I/O, nothing awaited); ``start`` learns the card, prepares the process,
+starts the engine, builds the parts that hold it (the request path reads the engine's info and
+tokenizer when it is made), proves the prefix cache and starts the loops. ``replica.parts``
+holds the builders and the named links between the parts. The direct ingress
+(``ingress/direct.py``) holds a replica built and started the same way.
 """
 
 from __future__ import annotations
@@ -23,27 +27,24 @@ import uuid
 from typing import Any
 
 from ..common import metrics
+from ..common.contracts import (EmbedCall, EmbedResult, Fingerprint, Lane,
+                                ReplicaDescription, RoutingStats)
+from ..common.fingerprint import model_digest
+from ..common.long_input import SpecialTokens
 from ..config.schema import EmbedfleetConfig, ModelConfig, parse_config
-from ..common.contracts import (CanaryView, EmbedCall, EmbedResult, Fingerprint,
-                         Lane, ReplicaDescription, RoutingStats)
-from ..fleet.governor import RayMetricsSink
-from .health_probe import HealthProbe
-from .limits import LimitsFollower
-from .prefix_cache import PrefixCacheController
-from .reporter import Reporter
-from ..engine.card_memory import CpuCardModel
 from ..engine.gate import EngineGate
 from ..engine.lifecycle import DEFAULT_ENGINE_FACTORY, EngineLifecycle
 from ..engine.model_facts import read_model_facts
-from ..engine.platform import (card_identity, platform_facts,
+from ..engine.platform import (CardIdentity, card_identity, platform_facts,
                                prepare_ascend_process, prepare_cpu_process)
 from ..engine.prefix_cache_policy import resolve as resolve_prefix_cache
 from ..engine.vllm_engine import EmbeddingEngine
-from .admission import AdmissionBudget
-from ..common.fingerprint import model_digest
-from ..common.long_input import SpecialTokens
-from .request_path import RequestPath
-from .tokenize import TokenizeQueue
+from .health_probe import HealthProbe
+from .parts import (EngineRecipe, GovernorLink, PathActivity, RegistryLink, Rejections,
+                    admission_budget, governor_band, limits_follower, prefix_cache_controller,
+                    request_path, tokenize_queue)
+from .reporter import Reporter
+from .rerank_path import RerankCall, RerankPath, RerankResult
 
 logger = logging.getLogger("embedfleet.replica")
 
@@ -74,30 +75,66 @@ def replica_id() -> str:
         return uuid.uuid4().hex[:8]
 
 
+def prepare_process(cfg: EmbedfleetConfig, card: CardIdentity) -> None:
+    """The platform's checks and environment, before any engine starts in this process."""
+    if cfg.platform.kind == "ascend":
+        from ..engine.ascend_checks import assert_ascend_ready
+
+        logger.info("Ascend start-up checks passed: %s; engine env %s",
+                    assert_ascend_ready(), prepare_ascend_process())
+    if cfg.platform.kind == "cpu":
+        binding = prepare_cpu_process(card.device, card.cards_on_node)
+        logger.info("CPU card %s: vLLM threads bound to cores %s", card.device, binding)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download weights at run time
+
+
 class EngineReplica:
+    """One model's replica on one card: ``build``, then ``start`` (Serve awaits both here)."""
+
     async def __init__(self, config: dict[str, Any], model_name: str, registry: Any = None,
                        engine_factory: str = DEFAULT_ENGINE_FACTORY, governor: Any = None) -> None:
-        self.cfg = cfg = parse_config(config, "deployment args")
-        m = cfg.model(model_name)
-        kind = cfg.platform.kind
-        self.card = card_identity(cfg.platform.card_resource, ascend=kind == "ascend")
-        if kind == "ascend":
-            from ..engine.ascend_checks import assert_ascend_ready
+        self.build(parse_config(config, "deployment args"), model_name, registry=registry,
+                   governor=governor, engine_factory=engine_factory)
+        await self.start()
 
-            logger.info("Ascend start-up checks passed: %s; engine env %s",
-                        assert_ascend_ready(), prepare_ascend_process())
-        if kind == "cpu":
-            binding = prepare_cpu_process(self.card.device, self.card.cards_on_node)
-            logger.info("CPU card %s: vLLM threads bound to cores %s", self.card.device, binding)
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download weights at run time
+    @classmethod
+    def built(cls, cfg: EmbedfleetConfig, model_name: str, *, registry: Any = None,
+              governor: Any = None,
+              engine_factory: str = DEFAULT_ENGINE_FACTORY) -> EngineReplica:
+        """A replica built, not started, for a deployment that holds one (``ingress/direct.py``)."""
+        replica = cls.__new__(cls)
+        replica.build(cfg, model_name, registry=registry, governor=governor,
+                      engine_factory=engine_factory)
+        return replica
+
+    def build(self, cfg: EmbedfleetConfig, model_name: str, *, registry: Any, governor: Any,
+              engine_factory: str) -> None:
+        """The parts that need no engine, from the config sections: no I/O, nothing awaited."""
+        self.cfg = cfg
+        self.model_cfg = m = cfg.model(model_name)
         self.replica_id = replica_id()
-        self._registry = registry
-        self.engines = EngineLifecycle(
-            engine_factory, lambda on: cfg.engine_kwargs(m, enable_prefix_caching=on))
+        self.registry = RegistryLink(registry, m.name)
+        self._governor = governor
+        self.engines = EngineLifecycle(engine_factory, EngineRecipe(cfg, m).kwargs)
+        self.recorder = metrics.Batched()
+        rejections = Rejections(self.recorder, m.name)
+        self.queue = admission_budget(m.budget_ceiling, m.admission, rejections)
+        self.tokenizer = tokenize_queue(m, cfg.router, rejections)
+        self._probe = HealthProbe(stall_s=cfg.health_stall_timeout_s)
+        self._healthy = True
+        self._health_engine: EmbeddingEngine | None = None  # the engine the last probe embedded on
+        self._health_embedded_at = 0.0
+        self._tasks: list[asyncio.Task[None]] = []
 
+    async def start(self) -> None:
+        """Learn the card, start the engine and the parts that hold it, prove the prefix cache,
+        check the idle card against the governor's band, then run the loops."""
+        cfg, m = self.cfg, self.model_cfg
+        self.card = card_identity(cfg.platform.card_resource,
+                                  ascend=cfg.platform.kind == "ascend")
+        prepare_process(cfg, self.card)
         enabled, reason = decide_prefix_cache(cfg, m)
-        override = await registry.prefix_cache_override.remote(model_name) \
-            if (registry is not None and enabled) else None
+        override = await self.registry.prefix_cache_override() if enabled else None
         if override is not None:
             enabled, reason = False, override.reason
         engine = self.engines.build(enabled)
@@ -105,56 +142,11 @@ class EngineReplica:
         m.long_input.check_model(engine.info.max_model_len,
                                  SpecialTokens.from_tokenizer(engine.hf_tokenizer))
         self.digest = model_digest(m.source.local_dir())
-        self.recorder = metrics.Batched()
-        ceiling = m.budget_ceiling
-        queue = AdmissionBudget(
-            ceiling.max_sequences, ceiling.max_tokens, max_waiting=m.admission.max_waiting,
-            queue_timeout_s=m.admission.queue_timeout_s,
-            bulk_max_waiting=m.admission.bulk_max_waiting,
-            bulk_max_inflight_share=m.admission.bulk_max_inflight_share,
-            bulk_min_share=m.admission.bulk_min_share,
-            bulk_max_drain_s=m.admission.bulk_max_drain_s,
-            on_reject=lambda why: self.recorder.inc("embedfleet_overload_rejections_total", 1,
-                                                    {"model": model_name, "reason": why}))
-        self.prefix = PrefixCacheController(
-            model=model_name, card_label=self.card.label, enabled=engine.info.prefix_caching,
-            reason=reason, gate=self.gate, build_engine=self.engines.build,
-            shutdown_engine=self.engines.shutdown, report_failure=self._report_canary_failure,
-            canary_interval_s=m.canary_interval_s, on_change=self._engine_changed)
-        self.path = RequestPath(
-            model=model_name, gate=self.gate, queue=queue, long_input=m.long_input,
-            prompts=m.prompts, reads_cache=lambda: self.prefix.reads_cache,
-            fingerprint=self.fingerprint, replica_id=self.replica_id,
-            hold_s=m.replicas.cold_start_hold_s, retry_after_s=cfg.router.retry_after_s,
-            recorder=self.recorder, card_tags={"node": self.card.node, "device": self.card.device},
-            max_tokens=m.max_request_tokens, large_call_tokens=m.large_call_tokens)
-        self.tokenizer = TokenizeQueue(
-            model=model_name, max_inputs=cfg.router.max_inputs_per_request,
-            max_chars=m.max_request_chars, max_tokens=m.max_request_tokens,
-            queue_timeout_s=m.admission.queue_timeout_s,
-            on_reject=lambda why: self.recorder.inc("embedfleet_overload_rejections_total", 1,
-                                                    {"model": model_name, "reason": why}))
+        self._hold_engine(engine.info.prefix_caching, reason)
         if engine.info.prefix_caching:
             await self.prefix.prove()  # prove cache hits before serving; switches off on failure
-        self.follower = LimitsFollower(
-            gate=self.gate, budget=queue, card_tags={"node": self.card.node,
-                                                     "device": self.card.device},
-            ceiling=ceiling, pull_limits=self._pull_limits(governor, ceiling),
-            interval_s=cfg.governor.interval_s, sink=RayMetricsSink(),
-            peak_window_s=cfg.governor.peak_window_s,
-            idle=lambda: self.path.inflight_sequences == 0,
-            last_activity=lambda: self.path.last_progress,
-            cpu_card=CpuCardModel(cfg.platform.cpu_card_memory_bytes) if kind == "cpu" else None,
-            model=model_name, configured_total_bytes=cfg.platform.card_memory_bytes)
-        self.path.on_engine_failure = self.follower.engine_oom  # the governor cuts the card
-        self.reporter = Reporter(replica_id=self.replica_id, card=self.card, platform=kind,
-                                 path=self.path, prefix=self.prefix, follower=self.follower,
-                                 registry=registry, healthy=self._ready,
-                                 serving=lambda: self.gate.is_open)
-        self._healthy = True
-        self._health_engine: EmbeddingEngine | None = None  # the engine the last probe embedded on
-        self._health_embedded_at = 0.0
-        self._probe = HealthProbe(stall_s=cfg.health_stall_timeout_s)
+        self.reranker = RerankPath(self.path, m)  # a reranker's pairs; its canary before serving
+        await self.reranker.start()
         await self._check_idle_floor()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.reporter.heartbeat_forever()),
@@ -163,37 +155,54 @@ class EngineReplica:
                        loop.create_task(self.recorder.flush_forever())]
         self.reporter.export_state()
         logger.info("replica %s of %s ready on card %s; prefix cache %s (%s)", self.replica_id,
-                    model_name, self.card.label, self.prefix.state, self.prefix.reason)
+                    m.name, self.card.label, self.prefix.state, self.prefix.reason)
 
-    # -- wiring --------------------------------------------------------------------------------
+    def _hold_engine(self, prefix_caching: bool, reason: str) -> None:
+        """The parts around the gate's engine (no I/O: they read the engine's info)."""
+        cfg, m, card = self.cfg, self.model_cfg, self.card
+        self.prefix = prefix_cache_controller(m, card, prefix_caching, reason, self.gate,
+                                              self.engines, self.registry,
+                                              on_change=self._engine_changed)
+        self.path = request_path(m, cfg.router, card, self.replica_id, gate=self.gate,
+                                 queue=self.queue, reads_cache=self._reads_cache,
+                                 fingerprint=self._fingerprint, recorder=self.recorder)
+        link = (None if self._governor is None
+                else GovernorLink(self._governor, card, m.budget_ceiling))
+        self.follower = limits_follower(m, cfg.governor, cfg.platform, card, gate=self.gate,
+                                        queue=self.queue, activity=PathActivity(self.path),
+                                        link=link)
+        self.path.on_engine_failure = self.follower.engine_oom  # the governor cuts the card
+        self.reporter = Reporter(replica_id=self.replica_id, card=card,
+                                 platform=cfg.platform.kind, path=self.path, prefix=self.prefix,
+                                 follower=self.follower, registry=self.registry.registry,
+                                 healthy=self._ready, serving=self._serving)
+
+    # -- what the parts ask of each other ------------------------------------------------------
     def _ready(self) -> bool:
         return self._healthy and not self.path.engine_failed and self.prefix.healthy
+
+    def _serving(self) -> bool:
+        return self.gate.is_open
+
+    def _reads_cache(self) -> bool:
+        return self.prefix.reads_cache
 
     def _engine_changed(self) -> None:
         engine = self.gate.engine
         if engine is not None and engine.info is not self.path.info:
             self.path.use_engine(engine)
 
-    def fingerprint(self) -> Fingerprint:
+    def _fingerprint(self) -> Fingerprint:
         info = self.path.info
         return Fingerprint(self.digest, info.dtype, info.engine_version, self.cfg.platform.kind,
                            self.prefix.reads_cache)
 
-    def _pull_limits(self, governor: Any, ceiling):
-        if governor is None:
-            return None
-        return lambda report: governor.limits_for.remote(self.card.node, self.card.device,
-                                                         ceiling, report)
-
-    async def _report_canary_failure(self, reason: str, canary: CanaryView) -> None:
-        if self._registry is not None:
-            await self._registry.disable_prefix_cache.remote(self.path.model, reason, canary)
-
     async def _check_idle_floor(self) -> None:
-        """The signal before any request is the card's floor; at or above ``high`` the governor
-        would hold this card at its floor forever, so say so loudly."""
+        """The signal before any request is the card's floor; at or above the governor's
+        ``high`` for this model (its card profile's band, else ``governor.params``) the
+        governor would hold this card at its floor forever, so say so loudly."""
         reading = await self.follower.read_card()
-        high = self.cfg.governor.params.high
+        high = governor_band(self.cfg, self.model_cfg.name).high
         if reading is not None and reading.ratio >= high:
             logger.error("card %s: live memory ratio at idle is %.3f >= governor high %.2f: the "
                          "governor will keep this card's budget at its floor; lower "
@@ -204,6 +213,9 @@ class EngineReplica:
     # -- what Serve calls ----------------------------------------------------------------------
     async def embed(self, call: EmbedCall) -> EmbedResult:
         return await self.path.embed(call)
+
+    async def rerank(self, call: RerankCall) -> RerankResult:
+        return await self.reranker.rerank(call)
 
     async def tokenize_tei(self, texts: list[str], add_special_tokens: bool = True,
                            prompt_name: str | None = None, lane: Lane = "interactive") -> list:
@@ -265,7 +277,9 @@ class EngineReplica:
                 await asyncio.wait_for(self.follower.read_card(fresh=True),
                                        timeout=max(deadline - time.monotonic(), 0.1))
 
-    def __del__(self) -> None:
+    def stop(self) -> None:
+        """Cancel the loops, leave the registry, shut the engine down (safe to call twice: Serve
+        calls ``__del__`` at shutdown and the collector may again)."""
         for task in getattr(self, "_tasks", []):
             task.cancel()
         prefix = getattr(self, "prefix", None)
@@ -274,10 +288,10 @@ class EngineReplica:
         probe = getattr(self, "_probe", None)
         if probe is not None:
             probe.cancel()
-        registry = getattr(self, "_registry", None)
+        registry = getattr(self, "registry", None)
         if registry is not None:
             try:
-                registry.leave.remote(self.replica_id)
+                registry.leave(self.replica_id)
             except Exception:
                 pass
         gate = getattr(self, "gate", None)
@@ -288,3 +302,6 @@ class EngineReplica:
         engines = getattr(self, "engines", None)
         if engines is not None:
             engines.stop_watchdogs()
+
+    def __del__(self) -> None:
+        self.stop()

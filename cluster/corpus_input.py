@@ -13,10 +13,12 @@ Two places check rows, each what only it can:
   order Ray Data happened to read the rows in. Found while reading, before the first call.
 * ``text_problem`` (the worker, per row): the text and prompt name, which the worker reads anyway.
 
-JSONL is read by Ray Data as lines (``read_text``) and parsed here, not by Arrow's JSON reader:
-that reader fails the whole file on one row whose text is a number (its column "changed type").
-``jsonl_rows`` splits a file exactly as ``read_text`` does (``str.splitlines``, blank lines
-dropped), so the scan and the workers agree on what a row is.
+JSONL is read by Ray Data as whole files (``read_binary_files``), split into lines and parsed
+here, not by Arrow's JSON reader (it fails the whole file on one row whose text is a number: its
+column "changed type") nor as ``read_text`` lines: that splits with ``str.splitlines``, which
+also breaks at U+2028, U+2029, U+0085 and other characters a JSON string may hold raw, cutting
+such a row in two. JSON Lines ends a row at ``\n`` only, and the scan (``jsonl_rows``) and the
+workers (``jsonl_block``) split the same way, so they agree on what a row is.
 """
 
 from __future__ import annotations
@@ -53,24 +55,35 @@ def input_files(path: Path) -> tuple[str, list[str]]:
     return found.pop(), [str(p.resolve()) for p in files]
 
 
+# JSON's whitespace: a line of only these holds no row (JSON Lines allows a "\r\n" line end).
+JSON_BLANK = b" \t\r\n"
+
+
 def jsonl_rows(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, line) of each row of a JSONL file, split as Ray Data's ``read_text`` splits
-    it (``str.splitlines`` of the whole text, blank lines dropped), one ``\n``-line at a time: a
-    UTF-8 character never holds the byte ``\n``, and ``splitlines`` of each such line gives the
-    same pieces. A file that is not UTF-8 cannot be read by Ray Data at all, so it stops the job."""
-    n = 0
+    """(line number, line) of each row of a JSONL file: split at ``\n`` only, blank lines
+    dropped. A file that is not UTF-8 stops the job (its rows' text cannot be told)."""
     with open(path, "rb") as fh:
-        for raw in fh:
-            try:
-                piece = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise CorpusError(f"{path}:{n + 1} is not UTF-8 ({err.reason} at byte "
-                                  f"{err.start} of the line); Ray Data cannot read the file: "
-                                  "re-encode it") from None
-            for line in piece.splitlines():
-                n += 1
-                if line.strip():
-                    yield n, line
+        for n, raw in enumerate(fh, 1):
+            if raw.strip(JSON_BLANK):
+                try:
+                    yield n, raw.removesuffix(b"\n").decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise CorpusError(f"{path}:{n} is not UTF-8 ({err.reason} at byte "
+                                      f"{err.start} of the line): re-encode it") from None
+
+
+def jsonl_lines(data: bytes) -> list[str]:
+    """The rows of one JSONL file's bytes, split as ``jsonl_rows`` splits the file."""
+    return [line.decode("utf-8") for line in data.split(b"\n") if line.strip(JSON_BLANK)]
+
+
+def jsonl_block(files: Any) -> Any:
+    """A Ray Data batch of whole JSONL files (``read_binary_files``: a ``bytes`` column) as a
+    batch of their rows' lines (a ``text`` column), the input ``BatchEmbedder`` parses."""
+    import pyarrow as pa
+
+    lines = [ln for data in files.column("bytes").to_pylist() for ln in jsonl_lines(data)]
+    return pa.table({"text": pa.array(lines, pa.string())})
 
 
 def parse_line(line: str) -> dict[str, Any] | None:

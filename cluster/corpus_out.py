@@ -209,7 +209,7 @@ class ErrorLog:
             print(f"embed-corpus: {ERRORS} ended in a partial line (a killed run); dropped it, "
                   "its row is checked again", file=sys.stderr)
             data = data[:keep]
-        for n, line in enumerate(data.splitlines(), 1):
+        for n, line in enumerate(data.split(b"\n")[:-1], 1):  # JSON Lines: "\n" ends a row
             try:
                 rec = json.loads(line)
                 code, row = str(rec["code"]), rec.get("row")

@@ -45,7 +45,7 @@ from typing import Any, get_args
 
 import numpy as np
 
-from .corpus_input import (CorpusError, Refusal, id_problem, input_files,
+from .corpus_input import (CorpusError, Refusal, id_problem, input_files, jsonl_block,
                            missing, parse_line, scan, text_problem)
 from .corpus_out import (ERRORS, MIXED, ErrorLog, OutLock, Progress,
                          finished_parts, take_block)
@@ -277,8 +277,9 @@ def _embed_rest(files: list[str], out: Path, settings: JobSettings, workers: int
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False  # the job prints its own (rows, texts/s, ETA)
         # Read tasks are light; the engines may hold every whole CPU of a node.
-        if settings.kind == "json":
-            ds = ray.data.read_text(files, num_cpus=0.1)
+        if settings.kind == "json":  # whole files, split at "\n" only (corpus_input)
+            ds = ray.data.read_binary_files(files, num_cpus=0.1).map_batches(
+                jsonl_block, batch_size=1, batch_format="pyarrow", num_cpus=0.1)
         else:
             import pyarrow.parquet as pq
 

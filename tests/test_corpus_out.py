@@ -178,18 +178,35 @@ def test_the_scan_reads_only_the_ids_of_parquet_and_needs_id_and_text(tmp_path):
         ci.scan(*ci.input_files(tmp_path / "c.parquet"))
 
 
-def test_the_scan_splits_rows_exactly_as_ray_datas_read_text(tmp_path):
-    """read_text: ``data.decode().splitlines()``, blank lines dropped (tests/support/
-    ray_touch_points.py holds Ray to it); the scan streams the file a line at a time."""
+def test_the_scan_and_the_workers_split_rows_at_newline_only(tmp_path):
+    """JSON Lines: a row ends at "\n" only; U+2028, U+2029, U+0085, "\r" and the other
+    characters str.splitlines breaks at stay inside their row. The scan (jsonl_rows, a line at a
+    time) and the workers (jsonl_block over read_binary_files' whole files) split alike."""
     import random
 
-    alphabet = ["a", "b", "\n", "\r", "\r\n", "\u2028", "\x85", " ", "\x0b", "\x1c", "é"]
+    alphabet = ["a", "b", "\n", "\r", "\r\n", "\u2028", "\u2029", "\x85", " ", "\x0b",
+                "\x1c", "é"]
     for seed in range(500):
         rng = random.Random(seed)
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
         (tmp_path / "a.jsonl").write_bytes(text.encode())
-        want = [(k, line) for k, line in enumerate(text.splitlines(), 1) if line.strip() != ""]
-        assert list(ci.jsonl_rows(str(tmp_path / "a.jsonl"))) == want, repr(text)
+        want = [(k, line) for k, line in enumerate(text.split("\n"), 1)
+                if line.strip(" \t\r")]
+        got = list(ci.jsonl_rows(str(tmp_path / "a.jsonl")))
+        assert got == want, repr(text)
+        block = ci.jsonl_block(pa.table({"bytes": [text.encode()]}))
+        assert [line for _, line in got] == block.column("text").to_pylist(), repr(text)
+
+
+def test_a_row_holding_line_separators_in_its_strings_is_one_row(tmp_path):
+    rows = [{"id": "a\u2028b", "text": "one\u2028two"}, {"id": "p", "text": "x\u2029y\x85z"},
+            {"id": "c", "text": "plain"}]
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+    (tmp_path / "a.jsonl").write_bytes(data)
+    found = ci.scan(*ci.input_files(tmp_path))
+    assert found.total == 3 and not found.refusals
+    lines = ci.jsonl_block(pa.table({"bytes": [data]})).column("text").to_pylist()
+    assert [ci.parse_line(ln) for ln in lines] == rows
 
 
 def test_a_file_ray_data_cannot_decode_stops_the_job_before_any_call(tmp_path):

@@ -161,7 +161,7 @@ def job(src, out, handle, mode=None, kill_after=None, monkeypatch=None, batch=4)
 def where_rows_ended(out) -> tuple[list, list]:
     ids = pq.read_table(sorted(out.glob(co.PART_GLOB))).column("id").to_pylist() \
         if list(out.glob(co.PART_GLOB)) else []
-    errors = [json.loads(x) for x in (out / co.ERRORS).read_text().splitlines()]
+    errors = [json.loads(x) for x in (out / co.ERRORS).read_bytes().split(b"\n")[:-1]]
     return ids, errors
 
 
@@ -232,6 +232,28 @@ def test_exit_1_when_the_job_cannot_finish_and_its_summary_when_it_can(tmp_path,
     assert ("holds 27 of 40 rows embedded and 13 refused (context_length_exceeded 7, "
             "duplicate_id 2, empty_text 1, invalid_json 1, missing_id 1, non_string_text 1"
             in summary), summary
+
+
+def test_rows_holding_line_separators_arrive_whole_and_once(tmp_path, monkeypatch):
+    """U+2028, U+2029 and U+0085 are legal raw in a JSON string (issue 39: str.splitlines cut
+    such rows in two, each half refused as invalid JSON). Each row is embedded whole (the
+    stand-in's vector holds the text's length), ids once, across a rerun."""
+    src, out = tmp_path / "c.jsonl", tmp_path / "out"
+    texts = {f"d{i}": f"line one{sep}line two {i}" for i, sep in
+             enumerate(["\u2028", "\u2029", "\x85", "\u2028\u2029\x85", " "])}
+    rows = [{"id": k, "text": t} for k, t in texts.items()]
+    rows.append({"id": "sep\u2028id", "text": "\u2029"})  # refused (blank text) by its whole id
+    src.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+    assert job(src, out, StandInHandle(), monkeypatch=monkeypatch) == ec.EXIT_REFUSED
+    ids, errors = where_rows_ended(out)
+    assert sorted(ids) == sorted(texts) and len(ids) == len(set(ids))
+    assert [(e["id"], e["code"]) for e in errors] == [("sep\u2028id", "empty_text")]
+    table = pq.read_table(sorted(out.glob(co.PART_GLOB)))
+    by_id = dict(zip(table.column("id").to_pylist(), table.column("embedding").to_pylist()))
+    assert all(by_id[k] == vector_of(t, "reject") for k, t in texts.items())
+    handle = StandInHandle()  # the rerun finds every row decided, its refusal included
+    assert job(src, out, handle, monkeypatch=monkeypatch) == ec.EXIT_REFUSED and not handle.calls
+    assert where_rows_ended(out)[1] == errors
 
 
 def test_a_parquet_corpus_with_null_and_repeated_ids_and_texts(tmp_path, monkeypatch):

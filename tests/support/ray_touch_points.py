@@ -131,12 +131,11 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
               "ReplicaActors' live states"),
     # -- Ray Data (cluster/embed_corpus.py: `embedfleet embed-corpus`) ---------------------------
     *(T("data/__init__.py", n, used_by="cluster/embed_corpus.py")
-      for n in ("read_text", "read_parquet", "ActorPoolStrategy", "DataContext")),
-    T("data/read_api.py", "read_text", ("paths", "num_cpus"),
-      used_by="cluster/embed_corpus.py: JSONL as lines, parsed by the job (corpus_input)"),
-    T("data/_internal/datasource/text_datasource.py", "TextDatasource._read_stream",
-      contains=(".splitlines()", "line.strip() == ''"),
-      used_by="cluster/corpus_input.py: jsonl_rows splits a file as read_text does"),
+      for n in ("read_binary_files", "read_parquet", "ActorPoolStrategy", "DataContext")),
+    T("data/read_api.py", "read_binary_files", ("paths", "num_cpus"),
+      used_by="cluster/embed_corpus.py: JSONL as whole files, split and parsed by the job"),
+    T("data/_internal/datasource/binary_datasource.py", "BinaryDatasource._COLUMN_NAME",
+      value="bytes", used_by="cluster/corpus_input.py: jsonl_block reads the bytes column"),
     T("data/read_api.py", "read_parquet", ("paths", "num_cpus"),
       used_by="cluster/embed_corpus.py"),
     T("data/dataset.py", "Dataset.repartition", ("target_num_rows_per_block",),

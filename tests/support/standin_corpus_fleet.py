@@ -10,7 +10,8 @@ pipeline's request bound is). A vector tells its text and the mode that embedded
 ``[words, chars, mode index, 1]``. ``failures`` are raised first, one per call.
 
 ``in_process_rest`` replaces ``embed_corpus._embed_rest`` (Ray Data, the worker pool) with the
-same steps in this process: the input read as ``read_text`` / ``read_parquet`` would hand it, in
+same steps in this process: the input read as ``read_binary_files`` + ``jsonl_block`` /
+``read_parquet`` would hand it, in
 blocks of one part's rows, each through a ``BatchEmbedder`` on the stand-in handle, each result
 taken by the real ``take_block``. ``kill_after`` blocks, it raises ``Killed`` as a SIGKILL of
 the driver would stop the job: after the last whole block was taken.
@@ -117,8 +118,10 @@ def in_process_rest(handle: StandInHandle, kill_after: int | None = None):
 
         per = settings.batch_size * settings.inflight
         if settings.kind == "json":
-            lines = [ln for f in files for ln in Path(f).read_bytes().decode().splitlines()]
-            cols = {"text": [ln for ln in lines if ln.strip()]}
+            import pyarrow as pa
+
+            files_batch = pa.table({"bytes": [Path(f).read_bytes() for f in files]})
+            cols = ec.jsonl_block(files_batch).to_pydict()  # the job's own split
         else:
             import pyarrow as pa
 

@@ -150,6 +150,8 @@ def direct_ingress_refusal(router: RouterConfig, models: list[Any]) -> str | Non
     if len(models) != 1:
         return f"it serves {len(models)} models; one Router resolves a request's model"
     m = models[0]
+    if m.task == "rerank":
+        return "models[0] is a reranker (task: rerank): its routes are the Router's"
     if m.replicas.min_replicas < 1:
         return (f"models[0].replicas.min_replicas={m.replicas.min_replicas}: a scale-to-zero "
                 "model needs the Router to hold calls through its cold start")

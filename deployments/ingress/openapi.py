@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from .openai import EmbeddingRequest, EmbeddingResponse
+from .rerank import OPENAPI_ROUTES as RERANK_ROUTES
 from .tei import (TeiEmbedRequest, TeiEmbedResponse,
               TeiTokenizeRequest, TeiTokenizeResponse)
 from ..common.contracts import CardStatus, ModelStatus, PrefixCacheView
@@ -128,6 +129,8 @@ ROUTE_ERRORS: dict[str, tuple[type[EmbedfleetError], ...]] = {
     "/v1/models": AUTH + (NotReady,),
     "/health": (),
     "/ready": AUTH + (NotReady,),
+    # ingress/rerank.py: the embed routes' errors (a model of the other role is a 400)
+    **dict.fromkeys(RERANK_ROUTES, AUTH + BODY + EMBED),
 }
 # The capacity errors: always sent with Retry-After (errors.EmbedfleetError.headers)
 RETRY_LATER = (Overloaded, NotReady, EngineUnavailable)
@@ -159,6 +162,7 @@ _ROUTES: dict[str, dict[str, Any]] = {
                 "ok": Health},
     "/ready": {"summary": "Every model that must stay up has a ready replica", "ok": Ready,
                "error_models": {NotReady.status: NotReadyBody}},
+    **RERANK_ROUTES,
 }
 
 

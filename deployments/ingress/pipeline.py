@@ -156,6 +156,10 @@ class EmbedPipeline:
         """Every check that depends on the model or the router's limits, in one order for every
         API: the model exists (404), then the request's size (422, 413)."""
         m = self.resolve(req.model)
+        if m.task == "rerank":
+            raise InvalidParameterValue(
+                f"model '{m.name}' is a reranker (task: rerank); it does not embed: send pairs "
+                "to /rerank, /v1/rerank, /v2/rerank or /score", param="model")
         check_request_size(self.cfg, m, req.inputs, req.param)
         if req.task and req.inputs and isinstance(req.inputs[0], str):
             # the instruction's task text is copied into every input at the replica

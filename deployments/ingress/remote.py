@@ -63,7 +63,8 @@ class RemoteCaller:
     """``await caller(call)``: one model's replicas behind its Serve handle."""
 
     def __init__(self, handle: Any, model: ModelConfig, router: RouterConfig,
-                 readiness: ReadinessView) -> None:
+                 readiness: ReadinessView, method: str = "embed") -> None:
+        self._method = method  # the replica's: embed, or rerank (a RerankCall)
         self._handle = handle
         # None: every call through the object store (``router.handle_transport``)
         self._by_value = (handle.options(_by_reference=False)
@@ -107,7 +108,7 @@ class RemoteCaller:
             left_s = deadline - time.monotonic()  # an attempt and its hold stay within the bound
             timeout = max(0.1, min(self._router.request_timeout_s, left_s))
             sent_cold = hold_s > 0 and not self._readiness.has_ready_now(call.model)
-            response = handle.embed.remote(call)
+            response = getattr(handle, self._method).remote(call)
             try:
                 return await await_with_hold(response, timeout,
                                              lambda: min(self._hold_s(call.model), left_s),

@@ -140,6 +140,22 @@ class ApiIngress:
     async def tei_tokenize(self, request: Request) -> Response:
         return await self.api.tei_tokenize(request)
 
+    @route("POST", "/rerank")
+    async def tei_rerank(self, request: Request) -> Response:
+        return await self.api.tei_rerank(request)
+
+    @route("POST", "/v1/rerank")
+    async def rerank_v1(self, request: Request) -> Response:
+        return await self.api.rerank_api(request, "/v1/rerank")
+
+    @route("POST", "/v2/rerank")
+    async def rerank_v2(self, request: Request) -> Response:
+        return await self.api.rerank_api(request, "/v2/rerank")
+
+    @route("POST", "/score")
+    async def score(self, request: Request) -> Response:
+        return await self.api.score(request)
+
     async def embed_batch(self, call: BatchCall) -> BatchResult:
         """Not HTTP: the corpus job's call through this deployment's Serve handle."""
         return await self.api.embed_batch(call)
@@ -177,6 +193,9 @@ class Router(ApiIngress):
                              lambda model, texts, special, prompt, lane:
                              engines[model].tokenize_tei.remote(texts, special, prompt, lane),
                              self.recorder)
+        self.api.rerank.callers.update(
+            {m.name: RemoteCaller(engines[m.name], m, cfg.router, self.readiness, method="rerank")
+             for m in cfg.models if m.task == "rerank" and m.name in engines})
 
 
 def _own_handler(handler: Callable) -> Callable:

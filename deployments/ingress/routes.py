@@ -36,6 +36,7 @@ Overloaded, error_response, internal_error_response
 from .pipeline import (REPLICAS_HEADER, EmbedPipeline,
                            EmbedRequest, check_request_size)
 from .remote import REPLICA_GONE
+from .rerank import RerankService
 
 Tokenizer = Callable[[str, list[str], bool, str | None, Lane], Awaitable[list]]
 
@@ -51,6 +52,7 @@ class ApiRoutes:
         self._rec = recorder
         self._default_model = cfg.models[0].name
         self.started = int(time.time())
+        self.rerank = RerankService(cfg, pipeline)  # its callers: the Router's rerankers
 
     async def _answer(self, api: str, where: str,
                       handle: Callable[[list[str]], Awaitable[Response]]) -> Response:
@@ -172,6 +174,17 @@ class ApiRoutes:
             return json_response(tei_tokenize_response(tokens), raw=True)
 
         return await self._answer("tokenize", "/tokenize", handle)
+
+    # Rerank routes (ingress/rerank.py): TEI's, Jina/Cohere's as vLLM answers them, vLLM's /score
+    async def tei_rerank(self, request: Request) -> Response:
+        return await self._answer("rerank", "/rerank", lambda seen: self.rerank.tei(request, seen))
+
+    async def rerank_api(self, request: Request, path: str) -> Response:
+        return await self._answer("rerank", path,
+                                  lambda seen: self.rerank.rerank_api(request, seen))
+
+    async def score(self, request: Request) -> Response:
+        return await self._answer("score", "/score", lambda seen: self.rerank.score(request, seen))
 
     async def _fleet(self) -> FleetStatus:
         """The fleet's status, or 503 + Retry-After when the registry cannot give it (restarting,

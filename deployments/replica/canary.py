@@ -29,6 +29,12 @@ floor. The verdict:
                      path's own noise. Rerun and alerted on, never a fleet-wide switch: a noisy
                      card must not turn the model's prefix caching off everywhere.
 
+A reranker's engine scores instead of embedding (one number a sequence, sigmoid's in [0, 1]):
+there the "cosine" of a pair of results is their agreement, 1 − |Δscore| (``_agree``), so the same
+floor and verdicts hold (failed: scores 0.01 apart). A reranker also has an ordering canary
+(``run_rerank_canary``): a known (query, relevant, irrelevant) triple must order correctly, or the
+replica is marked down; a wrong ``hf_overrides`` (swapped yes/no tokens) fails it.
+
 ``passed`` is True only for ``passed``. The replica reruns inconclusive canaries
 (``embedfleet.deployments.replica.prefix_cache``) and shows the verdict, the lowest cosine and
 the floor in ``/v1/models`` and ``embedfleet_canary_{verdict,last_cosine,floor}``.
@@ -109,6 +115,13 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
+def _agree(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine of two vectors; 1 − |Δ| of two scores (a one-number "vector" has cosine ±1)."""
+    if a.size == 1 and b.size == 1:
+        return 1.0 - abs(float(a.reshape(-1)[0]) - float(b.reshape(-1)[0]))
+    return _cos(a, b)
+
+
 def floor_from_spread(cold_min_cosine: float) -> float:
     """The floor for a path whose two cold runs agree to ``cold_min_cosine``: the tighter of
     1 − ``SPREAD_MARGIN`` × spread and vllm-ascend's tolerance, within [FAIL_COSINE,
@@ -139,7 +152,7 @@ async def calibrate_floor(engine: EmbeddingEngine, *, label: str = "canary-floor
     rid = f"{label}-{nonce}"
     first = await engine.embed(ids, request_id=f"{rid}-a", skip_prefix_cache=True)
     second = await engine.embed(ids, request_id=f"{rid}-b", skip_prefix_cache=True)
-    low = min(_cos(a.vector, b.vector) for a, b in zip(first, second))
+    low = min(_agree(a.vector, b.vector) for a, b in zip(first, second))
     floor = floor_from_spread(low)
     return CanaryFloor(floor, low, f"two cold runs of {len(ids)} probes agree to cosine "
                                    f"{low:.7f}; floor {floor:.6f}")
@@ -152,8 +165,8 @@ async def run_canary(engine: EmbeddingEngine, *, label: str = "canary",
     cold = (await engine.embed(ids[:1], request_id=f"{rid}-cold"))[0]
     reference = await engine.embed(ids, request_id=f"{rid}-noread", skip_prefix_cache=True)
     hits = await engine.embed(ids, request_id=f"{rid}-hit")
-    cosines = [_cos(h.vector, r.vector) for h, r in zip(hits, reference)]
-    cosines.append(_cos(hits[0].vector, cold.vector))
+    cosines = [_agree(h.vector, r.vector) for h, r in zip(hits, reference)]
+    cosines.append(_agree(hits[0].vector, cold.vector))
     cached = sum(h.num_cached_tokens for h in hits)
     low = min(cosines)
     verdict = judge(low, cached, floor)
@@ -172,3 +185,40 @@ async def run_canary(engine: EmbeddingEngine, *, label: str = "canary",
         detail = f"cache hits differ from cold vectors: {detail} (fails below {FAIL_COSINE})"
     return CanaryResult(verdict, low, cached, prefix_tokens, len(ids), time.time(), detail,
                         floor)
+
+
+# -- the reranker's ordering canary ------------------------------------------------------------
+
+# A triple any trained reranker orders: the relevant document answers the query, the irrelevant
+# one shares no topic with it. A model whose weights cannot know this (the random-weight test
+# models) names its own in the config (``rerank.canary``).
+DEFAULT_TRIPLE = ("What is the capital of France?",
+                  "Paris is the capital and largest city of France.",
+                  "Photosynthesis converts light energy into chemical energy in plants.")
+
+
+@dataclass(frozen=True)
+class RerankCanaryResult:
+    passed: bool
+    relevant: float
+    irrelevant: float
+    detail: str
+
+
+class RerankCanaryFailed(RuntimeError):
+    """The reranker orders its known triple wrong: its scores would be silently meaningless
+    (a wrong hf_overrides), so the replica must not serve."""
+
+
+async def run_rerank_canary(engine: EmbeddingEngine, pair_ids: list[list[int]], *,
+                            label: str = "rerank-canary") -> RerankCanaryResult:
+    """``pair_ids``: the rendered (query, relevant) and (query, irrelevant) pairs, tokenised.
+    Scored cold (never reading the cache), as every request's result must be."""
+    rid = f"{label}-{uuid.uuid4().hex[:12]}"
+    rel, irr = (float(e.vector.reshape(-1)[0]) for e in
+                await engine.embed(pair_ids, request_id=rid, skip_prefix_cache=True))
+    passed = rel > irr
+    detail = (f"known triple: relevant {rel:.6f} {'>' if passed else '<='} irrelevant "
+              f"{irr:.6f}" + ("" if passed else "; the model orders it wrong: check its "
+                              "hf_overrides (engine/rerank_models.py) and rerank.canary"))
+    return RerankCanaryResult(passed, rel, irr, detail)

@@ -109,6 +109,48 @@ def unplaceable(cfg: EmbedfleetConfig) -> str | None:
             f"min_replicas or raise cards (--cards)")
 
 
+def unreachable_max_warnings(cfg: EmbedfleetConfig, cards: float) -> list[str]:
+    """One warning per model whose ``max_replicas`` a cluster of ``cards`` that cannot grow
+    never reaches: the other models' ``min_replicas`` hold their cards for good. A model left
+    no card at all is answered 503 at once (the registry's ``never``), not held."""
+    from ..deployments.fleet.placement import unreachable_max
+
+    reach = unreachable_max({m.name: (m.replicas.min_replicas, m.replicas.max_replicas)
+                             for m in cfg.models}, int(cards))
+    out = []
+    for m in cfg.models:
+        if m.name not in reach:
+            continue
+        others = ", ".join(f"{o.name}: {o.replicas.min_replicas}" for o in cfg.models
+                           if o is not m and o.replicas.min_replicas)
+        n = reach[m.name]
+        what = ("never gets a card, and a request to it is answered 503 at once" if n == 0
+                else f"runs at most {n} replica(s)")
+        out.append(f"warning: model '{m.name}' can never reach max_replicas="
+                   f"{m.replicas.max_replicas}: the cluster's {cards:g} "
+                   f"{cfg.platform.card_resource} card(s) cannot grow and the other models' "
+                   f"min_replicas ({others}) hold their cards for good, so it {what}; raise "
+                   f"cards or lower their min_replicas")
+    return out
+
+
+def running_cluster_cards(resource: str) -> float | None:
+    """The running cluster's cards when Ray says it cannot grow; None when it can, or when the
+    cluster cannot be read from here (then nothing is checked, and `deploy` says so)."""
+    import ray
+
+    from ..deployments.fleet.placement import cluster_can_grow
+
+    try:
+        status.connect(None)
+        total = ray.cluster_resources().get(resource, 0)
+    except Exception as err:  # not on a node of the cluster: the deploy itself goes by REST
+        print(f"note: could not read the cluster's cards ({err}); max_replicas not checked",
+              file=sys.stderr)
+        return None
+    return None if cluster_can_grow(resource, total) else total
+
+
 def keys_missing_here(cfg: EmbedfleetConfig) -> str | None:
     """Why the API keys the config names cannot be loaded on this machine, or None. `up` runs
     every node here (its nodes inherit this environment), so an ingress replica would fail to
@@ -127,6 +169,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if (why := unplaceable(cfg) or keys_missing_here(cfg)) is not None:
         print(f"embedfleet up: refused: {why}", file=sys.stderr)
         return 2
+    for warning in unreachable_max_warnings(cfg, cfg.cards):  # a local head cannot grow
+        print(warning, file=sys.stderr)
     local.start_head(cfg.cards, cfg.platform.card_resource, cfg.nodes, ray_head_env(cfg))
     prom = start_monitoring(cfg)
     if prom:
@@ -163,6 +207,9 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     serve_cfg, cfg = _load(args)
+    if (cards := running_cluster_cards(cfg.platform.card_resource)) is not None:
+        for warning in unreachable_max_warnings(cfg, cards):
+            print(warning, file=sys.stderr)
     _deploy_and_wait(serve_cfg, cfg, local.dashboard_url(args.address))
     return 0
 

@@ -216,6 +216,8 @@ IMPORT_TOUCH_POINTS = {
     "ray.util:get_node_ip_address": ("util/__init__.py", "get_node_ip_address"),
     "ray.util.state:list_actors": ("util/state/__init__.py", "list_actors"),
     "ray.experimental:internal_kv": ("experimental/internal_kv.py", "_internal_kv_put"),
+    "ray._private:state": ("_private/state.py", "GlobalState.get_max_resources_from_cluster_config"),
+    "ray._private:ray_constants": ("_private/ray_constants.py", "DEBUG_AUTOSCALING_STATUS"),
     "ray.dashboard.modules.serve.sdk:ServeSubmissionClient":
         ("dashboard/modules/serve/sdk.py", "ServeSubmissionClient.__init__"),
 }

@@ -135,6 +135,12 @@ class NotReady(EmbedfleetError):
     status, type, code = 503, "service_unavailable", "no_ready_replica"
 
 
+class NoCardEver(NotReady):
+    """No replica of the model can ever be placed: every card is held by models at their
+    ``min_replicas`` on a cluster that cannot grow. The message names the holders. Its code
+    stays NotReady's, the one the API documents for 503 with no replica to serve."""
+
+
 class EngineUnavailable(EmbedfleetError):
     """The engine (or its replica) died or did not answer in time; embedding is safe to retry."""
 

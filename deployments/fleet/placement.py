@@ -8,7 +8,10 @@ same thing.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+from collections.abc import Mapping
 
 logger = logging.getLogger("embedfleet.placement")
 
@@ -85,6 +88,95 @@ def reclaimable_cards(alive: dict[str, int], min_replicas: dict[str, int], but: 
     look "coming" and broke the fail-fast 503: caught by tests/test_e2e_reliability.py)."""
     return sum(max(0, n - min_replicas[d]) for d, n in alive.items()
                if d != but and d in min_replicas)
+
+
+# -- a card that can never come back --------------------------------------------------------
+# Autoscaler v1 on a cluster of nodes started by hand (`ray start`, `embedfleet up`) runs with a
+# read-only provider: it launches nothing and names each node ``node_<node id>``.
+_READ_ONLY_NODE_TYPE = re.compile(r"^node_[0-9a-f]+$")
+
+
+def autoscaler_may_add_cards(resource: str, total: float,
+                             max_resources: Mapping[str, float] | None,
+                             v1_status: Mapping | None) -> bool:
+    """Whether Ray's autoscaler may still add nodes with cards: True unless Ray says it cannot.
+
+    ``max_resources``: autoscaler v2's ceiling per resource (None: no v2 cluster config).
+    ``v1_status``: autoscaler v1's status report (None: none written). With neither, nothing is
+    known, and a request is held as before rather than refused on a guess."""
+    if max_resources is not None:
+        return max_resources.get(resource, 0) > total
+    report = (v1_status or {}).get("autoscaler_report")
+    if not report:
+        return True
+    types = {*(report.get("active_nodes") or {}), *(report.get("idle_nodes") or {}),
+             *(report.get("pending_launches") or {}),
+             *(n[1] for n in report.get("pending_nodes") or [])}
+    return not types or not all(_READ_ONLY_NODE_TYPE.match(t) for t in types)
+
+
+def cluster_can_grow(resource: str, total: float) -> bool:
+    """``autoscaler_may_add_cards`` from the running cluster's GCS (blocking)."""
+    from ray._private import ray_constants, state
+    from ray.experimental import internal_kv
+
+    try:  # private APIs: tests/support/ray_touch_points.py checks them
+        max_resources = state.state.get_max_resources_from_cluster_config()
+        raw = None if max_resources is not None else internal_kv._internal_kv_get(
+            ray_constants.DEBUG_AUTOSCALING_STATUS)
+        v1_status = json.loads(raw) if raw else None
+    except Exception as exc:  # unknown: hold, as before
+        logger.debug("autoscaler state unavailable: %r", exc)
+        return True
+    return autoscaler_may_add_cards(resource, total, max_resources, v1_status)
+
+
+# Cards held for good only after this long: a replica scaling down or replaced frees its card a
+# moment after its actor leaves ALIVE, and Ray's free count shows it a moment later.
+SEALED_GRACE_S = PLACEMENT_GRACE_S
+
+
+def cards_held_for_good(alive: Mapping[str, int], min_replicas: Mapping[str, int],
+                        free_cards: float, total_cards: float,
+                        can_grow: bool) -> dict[str, int] | None:
+    """{engine deployment: cards} when no card can ever come back, else None.
+
+    Never while a card is free, the cluster can grow, or a model holds more than its
+    ``min_replicas`` (its autoscaler gives the extra back). The ALIVE engine replicas must
+    account for every card in use: a card held by a replica still being made (a replacement
+    about to be placed), or by something outside this application, may come back."""
+    if can_grow or free_cards >= 1 or total_cards < 1:
+        return None
+    held = {d: n for d, n in alive.items() if d in min_replicas and n > 0}
+    if sum(held.values()) != total_cards - free_cards:
+        return None
+    if any(n > min_replicas[d] for d, n in held.items()):
+        return None
+    return held
+
+
+def never_message(model: str, holders: Mapping[str, int], min_replicas: Mapping[str, int],
+                  resource: str, total_cards: float) -> str:
+    """Why ``model`` can never get a card; ``holders``: {model: cards} at their minimum."""
+    who = ", ".join(f"'{m}' ({n} at min_replicas={min_replicas[m]})"
+                    for m, n in sorted(holders.items()))
+    return (f"model '{model}' can never get a card: all {total_cards:g} {resource} card(s) of "
+            f"the cluster are held by {who}, which never scale below their min_replicas, and "
+            f"the cluster cannot grow; lower {'their' if len(holders) > 1 else 'its'} "
+            f"min_replicas or add cards")
+
+
+def unreachable_max(models: Mapping[str, tuple[int, int]], cards: int) -> dict[str, int]:
+    """{model: replicas it can reach} for models (``{name: (min, max)}``) whose
+    ``max_replicas`` a cluster of ``cards`` that cannot grow never reaches: the others' minimums
+    always hold their cards."""
+    mins = sum(lo for lo, _ in models.values())
+    out = {}
+    for name, (lo, hi) in models.items():
+        reach = max(0, cards - (mins - lo))
+        if reach < hi:
+            out[name] = reach
+    return out
 
 
 # Ray actor states of a replica that exists or is being made (DEAD ones are gone for good:

@@ -19,9 +19,9 @@ from ..config.schema import parse_config
 from ..common.contracts import (CanaryView, FleetStatus, HeartbeatReply,
                          ModelReadiness, Override, ReplicaDescription)
 from .durable import DurableStore
-from .placement import (ReplicaActors, blocked_replicas,
-                         card_counts, reclaimable_cards,
-                         waiting_message, waiting_reasons)
+from .placement import (SEALED_GRACE_S, ReplicaActors, blocked_replicas, card_counts,
+                        cards_held_for_good, cluster_can_grow, never_message,
+                        reclaimable_cards, waiting_message, waiting_reasons)
 from .status import fleet_status
 from ..config.ray_options import engine_deployment_name
 
@@ -60,6 +60,7 @@ class FleetRegistry:
         self._readiness: dict[str, ModelReadiness] = {}
         self._readiness_lock = asyncio.Lock()
         self._creating_since: dict[str, float] = {}  # deployment -> first seen creating a replica
+        self._sealed_since: float | None = None  # every card first seen held for good
         if self._overrides:
             logger.warning("prefix-cache overrides reloaded from the GCS: %s",
                            sorted(self._overrides))
@@ -133,7 +134,8 @@ class FleetRegistry:
         # A heartbeat says "ready" for up to ttl_s after its replica died; only replicas whose
         # actor is still ALIVE count. ALIVE but not serving is an engine loading (or swapping);
         # an actor still being created is "starting" if a card is free, or will be soon
-        # (placement.PLACEMENT_GRACE_S), else it waits for one.
+        # (placement.PLACEMENT_GRACE_S), else it waits for one. A model with no replica at all
+        # "can never" get one once every card has been held for good for SEALED_GRACE_S.
         assert self.cfg is not None
         actors = ReplicaActors(self.cfg.app_name)
         resource = self.cfg.platform.card_resource
@@ -142,6 +144,7 @@ class FleetRegistry:
         out = {}
         counts = {d: len(a) for d, a in actors.alive.items()}
         mins = {engine_deployment_name(m.name): m.replicas.min_replicas for m in self.cfg.models}
+        never = self._never_reasons(counts, mins, resource, free, total, now)
         for m in self.cfg.models:
             d = engine_deployment_name(m.name)
             alive = actors.alive.get(d, set())
@@ -156,8 +159,30 @@ class FleetRegistry:
                                        reclaimable_cards(counts, mins, but=d))
             out[m.name] = ModelReadiness(
                 ready=ready, starting=len(alive) - ready + creating - blocked,
-                waiting=waiting_message(blocked, resource, free, total), checked_at=now)
+                waiting=waiting_message(blocked, resource, free, total),
+                never=never.get(m.name, "") if not alive else "", checked_at=now)
         return out
+
+    def _never_reasons(self, counts: dict[str, int], mins: dict[str, int], resource: str,
+                       free: float, total: float, now: float) -> dict[str, str]:
+        """{model: why it can never get a card}, for every model, once every card has been held
+        for good (placement.cards_held_for_good) for SEALED_GRACE_S; {} before that."""
+        assert self.cfg is not None
+        held = cards_held_for_good(counts, mins, free, total,
+                                   cluster_can_grow(resource, total)
+                                   if free < 1 and total >= 1 else True)
+        if held is None:
+            self._sealed_since = None
+            return {}
+        if self._sealed_since is None:
+            self._sealed_since = now
+        if now - self._sealed_since < SEALED_GRACE_S:
+            return {}
+        names = {engine_deployment_name(m.name): m.name for m in self.cfg.models}
+        holders = {names[d]: n for d, n in held.items()}
+        model_mins = {names[d]: n for d, n in mins.items()}
+        return {m.name: never_message(m.name, holders, model_mins, resource, total)
+                for m in self.cfg.models}
 
     def _readiness_from_records(self, snapshot: dict[str, list[ReplicaDescription]]
                                 ) -> dict[str, ModelReadiness]:
@@ -175,7 +200,9 @@ class FleetRegistry:
         """The deployed fleet's status (fleet.status.fleet_status, the one assembly)."""
         if self.cfg is None:
             raise RuntimeError("this FleetRegistry was started without the deployed config")
-        return fleet_status(self.cfg, self.snapshot(), await self.waiting())
+        waiting = await self.waiting()
+        never = {m: r.never for m, r in (await self.readiness()).items() if r.never}
+        return fleet_status(self.cfg, self.snapshot(), {**waiting, **never})
 
     async def check_health(self) -> None:
         return None

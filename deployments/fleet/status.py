@@ -1,7 +1,8 @@
 """The fleet's status, assembled in one place for `/v1/models`, `/ready` and `embedfleet status`.
 
 Inputs: the deployed config (what should run), the registry's snapshot (what runs and how it is
-doing) and Ray's placement view (which replicas wait for a card, and why).
+doing) and Ray's placement view (which replicas wait for a card, and why, including a model that
+can never get one: the registry's ``never`` reason, shown under ``waiting``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ send, hold or refuse a request costs no remote call.
   at once with 503 + Retry-After and the reason, instead of waiting in Serve's queue for
   ``request_timeout_s``. The grace covers the moment between a replica's death and Serve
   creating its replacement, when "none starting" is true but not for long.
+* a model that can never get a card (the registry's ``never``: every card held for good by
+  models at their minimum, on a cluster that cannot grow): refuse at once, scale-to-zero models
+  too, whose calls are otherwise held as a cold start that would never come.
 
 A view older than ``max_age_s`` (registry unreachable) is no view: requests then go the way
 they went before this existed (Serve's queue, bounded by ``request_timeout_s``).
@@ -60,12 +63,20 @@ class ReadinessView:
         return self._models.get(model)
 
     def unservable(self, model: str) -> str | None:
-        """Why ``model`` cannot serve (no replica ready or starting for ``grace_s``), or None."""
+        """Why ``model`` cannot serve (no replica ready or starting for ``grace_s``, or it can
+        never get a card), or None."""
+        if why := self.never(model):
+            return why
         r = self.get(model)
         since = self._unservable_since.get(model)
         if r is None or since is None or self._clock() - since < self.grace_s:
             return None
         return r.waiting or "no replica is running or starting"
+
+    def never(self, model: str) -> str | None:
+        """Why ``model`` can never get a card (the registry waited out its transients), or None."""
+        r = self.get(model)
+        return r.never if r is not None and r.never else None
 
     def starting_only(self, model: str) -> bool:
         """No replica ready, but one on its way: a request is worth holding."""

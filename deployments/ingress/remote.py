@@ -32,7 +32,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ..common import metrics
 from ..config.schema import ModelConfig, RouterConfig
 from ..common.contracts import EmbedCall, EmbedResult
-from ..common.errors import EngineUnavailable, NotReady, Overloaded
+from ..common.errors import EngineUnavailable, NoCardEver, NotReady, Overloaded
 from ..config.ray_options import request_bound_s
 from .cold_start import HoldExpired, Refused, await_with_hold
 from .readiness import ReadinessView
@@ -86,11 +86,15 @@ class RemoteCaller:
         return 0.0
 
     def _unservable(self, model: str) -> str | None:
-        return self._readiness.unservable(model) if self._always_up else None
+        # A scale-to-zero model is held for its cold start, unless it can never get a card.
+        return (self._readiness.unservable(model) if self._always_up
+                else self._readiness.never(model))
 
     def _refuse(self, model: str, why: str) -> NotReady:
         metrics.get("embedfleet_overload_rejections_total").inc(
             1, tags={"model": model, "reason": "no_ready_replica"})
+        if self._readiness.never(model):
+            return NoCardEver(why, retry_after_s=self._router.retry_after_s)
         return NotReady(f"model '{model}' has no ready replica and none is starting: {why}",
                         retry_after_s=self._router.retry_after_s)
 

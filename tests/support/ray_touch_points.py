@@ -129,6 +129,22 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       contains=("'PENDING_CREATION'", "'DEPENDENCIES_UNREADY'", "'RESTARTING'", "'ALIVE'"),
       used_by="deployments/fleet/placement.py: the state of an actor waiting for resources; "
               "ReplicaActors' live states"),
+    # -- can the cluster grow? (deployments/fleet/placement.py cluster_can_grow) ----------------
+    T("_private/state.py", "state", used_by="deployments/fleet/placement.py cluster_can_grow"),
+    T("_private/state.py", "GlobalState.get_max_resources_from_cluster_config",
+      used_by="deployments/fleet/placement.py: autoscaler v2's ceiling per resource"),
+    T("_private/ray_constants.py", "DEBUG_AUTOSCALING_STATUS", value="__autoscaling_status",
+      used_by="deployments/fleet/placement.py: autoscaler v1's status report in the KV"),
+    T("autoscaler/_private/monitor.py", "Monitor._run",
+      contains=("status['autoscaler_report'] = asdict(autoscaler_summary)",),
+      used_by="deployments/fleet/placement.py autoscaler_may_add_cards"),
+    T("autoscaler/_private/autoscaler.py", "AutoscalerSummary",
+      ("active_nodes", "idle_nodes", "pending_nodes", "pending_launches"),
+      used_by="deployments/fleet/placement.py autoscaler_may_add_cards"),
+    T("autoscaler/_private/util.py", "format_readonly_node_type",
+      contains=("'node_{}'.format(node_id)",),
+      used_by="deployments/fleet/placement.py: a read-only autoscaler (nodes started by hand) "
+              "names each node node_<id> and launches none"),
     # -- Ray Data (cluster/embed_corpus.py: `embedfleet embed-corpus`) ---------------------------
     *(T("data/__init__.py", n, used_by="cluster/embed_corpus.py")
       for n in ("read_binary_files", "read_parquet", "ActorPoolStrategy", "DataContext")),

@@ -41,8 +41,9 @@ def one_model_config(**router: Any) -> EmbedfleetConfig:
 
 
 @contextlib.contextmanager
-def router_client(cfg: EmbedfleetConfig, status=None) -> Iterator[TestClient]:
-    """``status``: the fleet's status (an async function), for /v1/models and /ready."""
+def router_client(cfg: EmbedfleetConfig, status=None, callers=None) -> Iterator[TestClient]:
+    """``status``: the fleet's status (an async function), for /v1/models and /ready;
+    ``callers``: {model: caller} behind the pipeline (default: ``standin_replicas``)."""
     import ray.serve
 
     async def no_status():
@@ -50,8 +51,9 @@ def router_client(cfg: EmbedfleetConfig, status=None) -> Iterator[TestClient]:
 
     status = status or no_status
 
-    api = ApiRoutes(cfg, EmbedPipeline(cfg, {m.name: standin_replicas for m in cfg.models}),
-                    status, standin_tokenize, metrics.Batched())
+    callers = callers or {m.name: standin_replicas for m in cfg.models}
+    api = ApiRoutes(cfg, EmbedPipeline(cfg, callers), status, standin_tokenize,
+                    metrics.Batched())
     app = new_api()
     mount_routes(app, Router)
     with pytest.MonkeyPatch.context() as mp:  # serve.ingress's `self` is the replica's: ours

@@ -272,16 +272,17 @@ def test_a_direct_ingress_replica_fails_on_missing_keys_before_it_loads_an_engin
     without them costs no engine start (minutes on a card) before the replica fails."""
     import asyncio
 
-    from embedfleet.deployments.ingress.direct import DirectEngineCore
+    from embedfleet.deployments.ingress.direct import DirectEngine
     from embedfleet.deployments.config.schema import config_to_data
     from embedfleet.deployments.replica.engine_replica import EngineReplica
 
-    async def no_engine(*a, **k):
+    def no_engine(*a, **k):
         raise AssertionError("the engine replica started before its keys were checked")
 
-    monkeypatch.setattr(EngineReplica, "__init__", no_engine)
+    for step in ("__init__", "build", "start"):  # any way of making the replica it holds
+        monkeypatch.setattr(EngineReplica, step, no_engine)
     cfg = _cfg(api_keys_file=str(tmp_path / "absent"))
-    replica = object.__new__(DirectEngineCore)
+    replica = object.__new__(DirectEngine)
     replica._app = new_api()
     with pytest.raises(KeysError, match="cannot read it on this node"):
-        asyncio.run(DirectEngineCore.__init__(replica, config_to_data(cfg), cfg.models[0].name))
+        asyncio.run(DirectEngine.__init__(replica, config_to_data(cfg), cfg.models[0].name))

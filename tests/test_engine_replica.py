@@ -1,7 +1,8 @@
-"""EngineReplica's build step and its idle-floor check.
+"""EngineReplica's build step, its idle-floor check, and the direct ingress that holds one.
 
-No engine runs here: ``build`` needs none (it makes the parts from the config sections), and the
-idle-floor check reads a stand-in card reading.
+No engine runs here: ``build`` needs none (it makes the parts from the config sections), the
+idle-floor check reads a stand-in card reading, and the direct ingress's calls go to a stand-in
+replica that records them.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from embedfleet.deployments.common.errors import Overloaded
+from embedfleet.deployments.common.contracts import EmbedCall
+from embedfleet.deployments.common.errors import EngineUnavailable, Overloaded
 from embedfleet.deployments.config.schema import load_config, parse_config
 from embedfleet.deployments.engine.card_profile import load_profile, shipped_profile_path
 from embedfleet.deployments.engine.platform import CardIdentity
+from embedfleet.deployments.ingress.direct import DirectEngine
 from embedfleet.deployments.replica.engine_replica import EngineReplica
 
 MODEL = "replica-parts-m"  # no card profile anywhere: the configured band applies
@@ -95,3 +98,81 @@ def test_without_a_card_profile_the_idle_floor_uses_the_configured_high(caplog):
     assert _floor_errors(_at_idle(cfg, MODEL, 0.89), caplog) == []
     (err,) = _floor_errors(_at_idle(cfg, MODEL, 0.93), caplog)
     assert f"governor high {cfg.governor.params.high:.2f}" in err
+
+
+# -- the direct ingress holds a replica ----------------------------------------------------------
+class RecordingReplica:
+    """Stands in for the ``EngineReplica`` a ``DirectEngine`` holds: records each call."""
+
+    replica_id = "r-1"
+
+    def __init__(self, embed_s: float = 0.0) -> None:
+        self.calls: list[tuple] = []
+        self.embed_s = embed_s
+        self.stopped = 0
+
+    async def embed(self, call):
+        self.calls.append(("embed", call))
+        await asyncio.sleep(self.embed_s)
+        return "vectors"
+
+    async def rerank(self, call):
+        self.calls.append(("rerank", call))
+        return "scores"
+
+    async def tokenize_tei(self, texts, add_special_tokens=True, prompt_name=None,
+                           lane="interactive"):
+        self.calls.append(("tokenize_tei", texts, add_special_tokens, prompt_name, lane))
+        return ["tokens"]
+
+    def describe(self):
+        self.calls.append(("describe",))
+        return "description"
+
+    def record_routing_stats(self):
+        self.calls.append(("record_routing_stats",))
+        return {"prefix_cache": False, "serving": True}
+
+    async def check_health(self):
+        self.calls.append(("check_health",))
+
+    def stop(self):
+        self.stopped += 1
+
+
+def _direct(replica: RecordingReplica, bound_s: float = 5.0) -> DirectEngine:
+    d = object.__new__(DirectEngine)
+    d.replica, d._bound_s, d._retry_after_s = replica, bound_s, 2
+    return d
+
+
+def test_the_direct_ingress_hands_every_replica_call_to_the_replica_it_holds():
+    rec = RecordingReplica()
+    d = _direct(rec)
+    call = EmbedCall(["a"], "req-1", "m")
+
+    pairs = object()  # a RerankCall, passed through untouched
+
+    async def calls():
+        return (await d.embed(call), await d.tokenize_tei(["t"], False, "query", "bulk"),
+                d.describe(), d.record_routing_stats(), await d.check_health(),
+                await d._bounded_embed(call), await d._tokenize("m", ["u"], True, None, "bulk"),
+                await d.rerank(pairs))
+
+    got = asyncio.run(calls())
+    assert got == ("vectors", ["tokens"], "description", {"prefix_cache": False, "serving": True},
+                   None, "vectors", ["tokens"], "scores")
+    assert [c[0] for c in rec.calls] == ["embed", "tokenize_tei", "describe",
+                                         "record_routing_stats", "check_health", "embed",
+                                         "tokenize_tei", "rerank"]
+    assert rec.calls[-1] == ("rerank", pairs)
+    assert rec.calls[1] == ("tokenize_tei", ["t"], False, "query", "bulk")
+    d.__del__()
+    assert rec.stopped == 1  # Serve's shutdown stops the replica it holds
+
+
+def test_the_direct_ingress_answers_503_past_its_bound():
+    d = _direct(RecordingReplica(embed_s=1.0), bound_s=0.05)
+    with pytest.raises(EngineUnavailable) as err:
+        asyncio.run(d._bounded_embed(EmbedCall(["a"], "req-1", "m")))
+    assert err.value.status == 503 and err.value.retry_after_s == 2 and "r-1" in str(err.value)

@@ -165,7 +165,15 @@ def test_a_direct_engine_app_publishes_the_routers_document(doc):
     for ingress in (cls, mount_routes(new_api(), Router)):
         frozen = inspect.getclosurevars(ingress.__init__).nonlocals["frozen_app_or_func"]
         assert frozen is ingress._app
-    assert issubclass(cls, EngineReplica) and cls.__name__ == "DirectEngine"
+    # It holds a replica (composition, not a subclass) and answers every call Serve and the
+    # fleet make of one: each public method of EngineReplica but its own build/start/stop.
+    lifecycle = {"built", "build", "start", "stop"}
+    replica_calls = {n for n, v in vars(EngineReplica).items()
+                     if callable(v) and not n.startswith("_")} - lifecycle
+    assert {"embed", "tokenize_tei", "describe", "record_routing_stats",
+            "check_health"} <= replica_calls
+    assert all(callable(getattr(cls, n, None)) for n in replica_calls), replica_calls
+    assert not issubclass(cls, EngineReplica) and cls.__name__ == "DirectEngine"
     assert callable(cls.embed_batch) and callable(cls.embed)  # the corpus job's and own calls
 
 

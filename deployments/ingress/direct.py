@@ -18,6 +18,11 @@ that, and where it went:
   (``options.HAPROXY_REPLAY_ENV``); a request the dead engine held gets 503 + Retry-After from
   its replica (the Router would have retried it on another replica);
 * ``/ready``, ``/v1/models``: the registry's view of the fleet, as the Router's.
+
+The deployment holds its replica (``EngineReplica``, built and started as the plain engine
+deployment's) beside the routes: it is not a kind of replica. It answers every call Serve and the
+fleet make of an engine replica (``check_health``, ``describe``, ``record_routing_stats``,
+``embed``, ``rerank``, ``tokenize_tei``) by handing it to the replica it holds.
 """
 
 from __future__ import annotations
@@ -27,53 +32,81 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from .router import FleetView, mount_routes, new_api, serve_api_keys
+from .router import ApiIngress, FleetView, mount_routes, new_api, serve_api_keys
 from .routes import ApiRoutes
 from ..config.schema import parse_config
-from ..common.contracts import EmbedCall, EmbedResult, Lane
+from ..common.contracts import EmbedCall, EmbedResult, Lane, ReplicaDescription
 from ..engine.lifecycle import DEFAULT_ENGINE_FACTORY
 from ..common.errors import EngineUnavailable
 from ..config.ray_options import direct_model_share, request_bound_s
 from ..replica.engine_replica import EngineReplica
+from ..replica.rerank_path import RerankCall, RerankResult
 from .pipeline import EmbedPipeline
 
 
-class DirectEngineCore(EngineReplica):
-    """An ``EngineReplica`` with the HTTP API in front of its own request path."""
-
-    _app: FastAPI  # set by ``mount_routes``
+class DirectEngine(ApiIngress):
+    """The HTTP routes in front of one ``EngineReplica``'s own request path, which it holds.
+    Deployed as ``direct_deployment()`` (``mount_routes(new_api(), DirectEngine)``)."""
 
     async def __init__(self, config: dict[str, Any], model_name: str, registry: Any = None,
                        engine_factory: str = DEFAULT_ENGINE_FACTORY, governor: Any = None) -> None:
+        cfg = parse_config(config, "direct ingress args")
         # Keys first: a replica that must fail closed (keys named, none here) fails before it
         # loads an engine for minutes.
-        serve_api_keys(self._app, parse_config(config, "direct ingress args"))
-        await EngineReplica.__init__(self, config, model_name, registry, engine_factory,
-                                     governor)
-        fleet = FleetView(registry)
-        m = self.cfg.model(model_name)
+        serve_api_keys(self._app, cfg)
+        self.replica = EngineReplica.built(cfg, model_name, registry=registry,
+                                           governor=governor, engine_factory=engine_factory)
+        await self.replica.start()
+        m = cfg.model(model_name)
+        self._retry_after_s = cfg.router.retry_after_s
         # A call's bound, as the Router's: a request never outlives it (a paused engine).
-        self._bound_s = request_bound_s(self.cfg.router, m)
-        pipeline = EmbedPipeline(self.cfg, {model_name: self._bounded_embed},
+        self._bound_s = request_bound_s(cfg.router, m)
+        pipeline = EmbedPipeline(cfg, {model_name: self._bounded_embed},
                                  share=direct_model_share(m))
-        self.api = ApiRoutes(self.cfg, pipeline, fleet.status, self._tokenize, self.recorder)
+        self.api = ApiRoutes(cfg, pipeline, FleetView(registry).status, self._tokenize,
+                             self.replica.recorder)
 
     async def _bounded_embed(self, call: EmbedCall) -> EmbedResult:
-        """The model's one caller: this replica's own request path (``EngineReplica.embed``),
+        """The model's one caller: the replica's own request path (``EngineReplica.embed``),
         within the bound; past it, 503 + Retry-After."""
         try:
-            return await asyncio.wait_for(self.embed(call), self._bound_s)
+            return await asyncio.wait_for(self.replica.embed(call), self._bound_s)
         except asyncio.TimeoutError:
             raise EngineUnavailable(
-                f"replica {self.replica_id} did not answer within {self._bound_s:g}s",
-                retry_after_s=self.cfg.router.retry_after_s) from None
+                f"replica {self.replica.replica_id} did not answer within {self._bound_s:g}s",
+                retry_after_s=self._retry_after_s) from None
 
     async def _tokenize(self, model: str, texts: list[str], add_special_tokens: bool,
                         prompt_name: str | None, lane: Lane) -> list:
-        return await self.tokenize_tei(texts, add_special_tokens, prompt_name, lane)
+        return await self.replica.tokenize_tei(texts, add_special_tokens, prompt_name, lane)
+
+    # -- what Serve and the fleet call on an engine replica: its replica's answers ------------
+    async def embed(self, call: EmbedCall) -> EmbedResult:
+        return await self.replica.embed(call)
+
+    async def rerank(self, call: RerankCall) -> RerankResult:
+        return await self.replica.rerank(call)
+
+    async def tokenize_tei(self, texts: list[str], add_special_tokens: bool = True,
+                           prompt_name: str | None = None, lane: Lane = "interactive") -> list:
+        return await self.replica.tokenize_tei(texts, add_special_tokens, prompt_name, lane)
+
+    def describe(self) -> ReplicaDescription:
+        return self.replica.describe()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return self.replica.record_routing_stats()
+
+    async def check_health(self) -> None:
+        await self.replica.check_health()
+
+    def __del__(self) -> None:
+        replica = getattr(self, "replica", None)
+        if replica is not None:
+            replica.stop()
 
 
 def direct_deployment(app: FastAPI | None = None) -> type:
     """The engine deployment class of a one-model app that takes HTTP (a new FastAPI app each
     call, as ``router_deployment``)."""
-    return mount_routes(new_api() if app is None else app, DirectEngineCore)
+    return mount_routes(new_api() if app is None else app, DirectEngine)

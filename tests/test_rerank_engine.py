@@ -13,6 +13,7 @@ import pytest
 from embedfleet.deployments.config.schema import parse_config
 from embedfleet.deployments.engine.rerank_models import FAMILIES, QWEN3_RERANKER_OVERRIDES
 from embedfleet.deployments.engine.vllm_engine import VllmEmbeddingEngine
+from embedfleet.deployments.replica.canary import run_canary, run_rerank_canary
 from tests.support.tiny_qwen3_reranker import build_tiny_qwen3_reranker, reference_scores
 
 pytestmark = pytest.mark.engine
@@ -48,16 +49,21 @@ def test_scores_equal_the_transformers_reference(folder):
     try:
         assert engine.info.pooling_task == "classify"
         ids = _ids(engine, DOCS)
+        want = reference_scores(folder, ids)
+        triple = _triple_ids(engine, want)
 
-        async def both():  # one event loop: AsyncLLM's output task lives in the first one
+        async def scenario():  # one event loop: AsyncLLM's output task lives in the first one
             return (await engine.embed(ids, request_id="rr"),
-                    await engine.embed(ids, request_id="rr-raw", normalize=False))
+                    await engine.embed(ids, request_id="rr-raw", normalize=False),
+                    await run_rerank_canary(engine, triple), await run_canary(engine))
 
-        out, raw = asyncio.run(both())
+        out, raw, ordering, cache = asyncio.run(scenario())
     finally:
         engine.shutdown()
     got = [float(e.vector[0]) for e in out]
-    want = reference_scores(folder, ids)
+    assert ordering.passed, ordering.detail
+    # cache hits of a classifier are judged by its scores (1 - |delta|), not a 1-d cosine
+    assert cache.cached_tokens > 0 and cache.verdict == "passed", cache.detail
     assert all(len(e.vector) == 1 for e in out)
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-3, (got, want)
     # raw_scores: the logit before the sigmoid, so sigmoid(raw) is the score
@@ -67,13 +73,31 @@ def test_scores_equal_the_transformers_reference(folder):
     assert len({round(g, 6) for g in got}) == len(got)  # the documents are told apart
 
 
-def test_swapped_tokens_give_the_complement(folder):
+def test_swapped_tokens_give_the_complement_and_fail_the_canary(folder):
     wrong = {**QWEN3_RERANKER_OVERRIDES, "classifier_from_token": ["yes", "no"]}
     engine = VllmEmbeddingEngine(_kwargs(folder, wrong))
     try:
         ids = _ids(engine, DOCS)
-        got = [float(e.vector[0]) for e in asyncio.run(engine.embed(ids, request_id="w"))]
+        want = reference_scores(folder, ids)
+        triple = _triple_ids(engine, want)
+
+        async def run():
+            return (await engine.embed(ids, request_id="w"),
+                    await run_rerank_canary(engine, triple))
+
+        out, ordering = asyncio.run(run())
     finally:
         engine.shutdown()
-    want = reference_scores(folder, ids)
+    got = [float(e.vector[0]) for e in out]
     assert max(abs((1 - a) - b) for a, b in zip(got, want)) <= 1e-3
+    assert not ordering.passed and "orders it wrong" in ordering.detail
+
+
+def _triple_ids(engine, reference: list[float]) -> list[list[int]]:
+    """The (query, relevant, irrelevant) pairs a correctly served model must order: relevant
+    is the document transformers' reference scores highest, irrelevant the lowest (random weights
+    know no relevance; the reference fixes what right is). What ``rerank.canary`` names in a
+    config for such a model."""
+    best = max(range(len(DOCS)), key=lambda i: reference[i])
+    worst = min(range(len(DOCS)), key=lambda i: reference[i])
+    return _ids(engine, [DOCS[best], DOCS[worst]])

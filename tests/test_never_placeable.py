@@ -6,7 +6,8 @@ for SEALED_GRACE_S, and the model has no replica: it can "never" get one. The Ro
 (ingress/readiness.py, ingress/remote.py) answers a call to it 503 + Retry-After at once, naming
 the holder, while a call whose card will come (a replacement, a model scaling down, a cluster
 that autoscales) is still held. Ray's actor table, free-card count and autoscaler state are
-STAND-INS here (no Ray cluster in the unit tests); the e2e test is tests/test_e2e_never_placeable.py.
+STAND-INS here (no Ray cluster in the unit tests); tests/test_e2e_never_placeable.py runs the
+issue's cluster on a throwaway Ray head.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ LATENCY_BUCKETS_S: tuple[float, ...] = tuple(0.002 * 2**i for i in range(16))
 BATCH_SIZE_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(12))
 TOKENS_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(4, 17))
 
-APIS = ("embeddings", "embed", "models", "tokenize", "batch")  # batch: the Serve-handle API
+# embed_v2: Cohere's /v2/embed; batch: the Serve-handle API
+APIS = ("embeddings", "embed", "embed_v2", "models", "tokenize", "batch")
 
 
 @dataclass(frozen=True)

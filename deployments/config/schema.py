@@ -29,6 +29,7 @@ from .affinity import RoutingConfig
 from ..common.contracts import Ceiling
 from .model_source import ModelSource
 from .rerank import ModelTask, RerankConfig, check_rerank_fields
+from .encodings import EncodingsConfig
 from .governor import GovernorConfig
 from ..common.long_input import LongInputPolicy
 from ..common.prompts import PromptTemplates
@@ -250,6 +251,9 @@ class ModelConfig(_Strict):
     prompts: PromptTemplates | None = Field(
         default=None, description="Named instruction templates a request picks by prompt_name.")
     limits: RequestLimits = RequestLimits()
+    encodings: EncodingsConfig = Field(
+        default_factory=EncodingsConfig, description="Where the int8/uint8 ranges of the "
+        "compact encodings come from (ingress/encodings.py).")
 
     _rerank_fields = model_validator(mode="before")(check_rerank_fields)
 

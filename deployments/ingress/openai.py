@@ -21,7 +21,8 @@ from ..common.errors import RequestValidation, clip
 from .pipeline import EmbedRequest
 
 TokenIds = list[int]
-EncodingFormat = Literal["float", "base64"]
+# float and base64 are OpenAI's; the compact ones are sentence-transformers' (ingress/encodings.py)
+EncodingFormat = Literal["float", "base64", "int8", "uint8", "binary", "ubinary"]
 PARAM_LIMIT = 64  # an unknown parameter's name is the client's: error bodies carry at most this
 
 
@@ -98,7 +99,11 @@ class EmbeddingRequest(BaseModel):
 
     input: Annotated[list[str] | list[TokenIds], WithJsonSchema(INPUT_JSON_SCHEMA)]
     model: str = Field(min_length=1)
-    encoding_format: EncodingFormat = "float"
+    encoding_format: EncodingFormat = Field(
+        default="float", description="float or base64 (OpenAI's), or a compact encoding applied "
+        "to the final (truncated) vector as sentence-transformers' quantize_embeddings does: "
+        "int8/uint8 by the model's per-dimension ranges (the x-embedfleet-int8-ranges header "
+        "names them), binary/ubinary the signs packed 8 per byte.")
     dimensions: PositiveInt | None = None
     user: str | None = None
     # embedfleet extensions (the openai client sends them with `extra_body={...}`):
@@ -133,8 +138,10 @@ class EmbeddingRequest(BaseModel):
 class EmbeddingData(BaseModel):
     object: Literal["embedding"]
     index: int
-    embedding: list[float] | str = Field(
-        description="The vector; with encoding_format=base64, its little-endian float32 bytes.")
+    embedding: list[float] | str | list[int] = Field(
+        description="The vector; with encoding_format=base64, its little-endian float32 bytes; "
+        "with int8/uint8, one integer per dimension; with binary/ubinary, its signs packed 8 "
+        "to an integer (int8/uint8).")
 
 
 class PromptTokensDetails(BaseModel):
@@ -207,6 +214,8 @@ def validation_error(err: ValidationError) -> RequestValidation:
 
 
 def encode_vector(vec: np.ndarray, encoding: EncodingFormat) -> Any:
+    """One vector on the wire: base64 of the floats, else the array itself (floats, or the
+    integers of a compact encoding, which ``ingress/encodings.py`` made)."""
     if encoding == "base64":
         # OpenAI's base64 format: little-endian float32 bytes.
         return base64.b64encode(np.ascontiguousarray(vec, dtype="<f4").tobytes()).decode()

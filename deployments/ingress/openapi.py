@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from .openai import EmbeddingRequest, EmbeddingResponse
+from .cohere import CohereEmbedRequest, CohereEmbedResponse
 from .rerank import OPENAPI_ROUTES as RERANK_ROUTES
 from .tei import (TeiEmbedRequest, TeiEmbedResponse,
               TeiTokenizeRequest, TeiTokenizeResponse)
@@ -119,6 +120,7 @@ EMBED = (LaneNotAllowed, ModelNotAllowed, ModelNotFound, TooManyInputs, RequestT
 ROUTE_ERRORS: dict[str, tuple[type[EmbedfleetError], ...]] = {
     "/v1/embeddings": AUTH + BODY + EMBED + (InvalidTokenId,),  # token-id input: OpenAI only
     "/embed": AUTH + BODY + EMBED,
+    "/v2/embed": AUTH + BODY + EMBED,
     # the model's own tokenizer: the request bounds (422, 413), the replica's tokenize queue
     # (429), request_timeout_s (503 when it does not answer)
     "/tokenize": AUTH + BODY + (LaneNotAllowed, ModelNotAllowed, InvalidParameterValue,
@@ -146,7 +148,10 @@ EMBED_HEADERS = {  # on every 200 of the embed routes (routes.py and pipeline.Em
         ("platform", "cpu, cuda or ascend."), ("prefix-cache", "on, off, or mixed."),
         ("truncated-inputs", "How many inputs the long-input policy truncated."),
         ("chunked-inputs", "How many inputs were embedded in chunks and merged."),
-        ("replicas", "Comma-separated ids of the replicas that served the request."))}}
+        ("replicas", "Comma-separated ids of the replicas that served the request."))},
+    "x-embedfleet-int8-ranges": {
+        "description": "With int8/uint8: the per-dimension ranges used, as their source (config "
+        "or calibration) and a digest of their values.", "schema": {"type": "string"}}}
 
 _ROUTES: dict[str, dict[str, Any]] = {
     "/v1/embeddings": {"summary": "Embed texts or token ids (OpenAI's embeddings API)",
@@ -154,6 +159,9 @@ _ROUTES: dict[str, dict[str, Any]] = {
                        "ok_headers": EMBED_HEADERS},
     "/embed": {"summary": "Embed texts (Hugging Face TEI's /embed)", "request": TeiEmbedRequest,
                "ok": TeiEmbedResponse, "ok_headers": EMBED_HEADERS},
+    "/v2/embed": {"summary": "Embed texts in several encodings at once (Cohere's Embed API v2)",
+                  "request": CohereEmbedRequest, "ok": CohereEmbedResponse,
+                  "ok_headers": EMBED_HEADERS},
     "/tokenize": {"summary": "Tokenise with the model's own tokenizer (TEI's /tokenize)",
                   "request": TeiTokenizeRequest, "ok": TeiTokenizeResponse},
     "/v1/models": {"summary": "Served models, their replicas, cards and prefix-cache state",

@@ -136,6 +136,10 @@ class ApiIngress:
     async def tei_embed(self, request: Request) -> Response:
         return await self.api.tei_embed(request)
 
+    @route("POST", "/v2/embed")
+    async def cohere_embed(self, request: Request) -> Response:
+        return await self.api.cohere_embed(request)
+
     @route("POST", "/tokenize")
     async def tei_tokenize(self, request: Request) -> Response:
         return await self.api.tei_tokenize(request)

@@ -27,6 +27,8 @@ from .openai import (embedding_response, parse_embedding_request,
 from .tei import (parse_tei_embed_request, parse_tei_tokenize_request,
               tei_embed_response, tei_to_pipeline,
               tei_tokenize_response)
+from .cohere import cohere_embed_response, cohere_to_pipeline, parse_cohere_embed_request
+from .encodings import Encoded, encoder_for
 from ..config.schema import EmbedfleetConfig
 from ..common.contracts import BatchCall, BatchResult, FleetStatus, Lane
 from ray.serve.exceptions import BackPressureError
@@ -34,7 +36,7 @@ from ray.serve.exceptions import BackPressureError
 from ..common.errors import EmbedfleetError, EngineUnavailable, NotReady, \
 Overloaded, error_response, internal_error_response
 from .pipeline import (REPLICAS_HEADER, EmbedPipeline,
-                           EmbedRequest, check_request_size)
+                           EmbedRequest, Embedded, check_request_size)
 from .remote import REPLICA_GONE
 from .rerank import RerankService
 
@@ -47,6 +49,7 @@ class ApiRoutes:
                  recorder: metrics.Batched) -> None:
         self.cfg = cfg
         self.pipeline = pipeline
+        self.encoder = encoder_for(pipeline)  # compact encodings of the final vectors
         self._status = status
         self._tokenize = tokenize
         self._rec = recorder
@@ -83,6 +86,16 @@ class ApiRoutes:
         self._rec.inc("embedfleet_inputs_total", n, {"model": model})
         self._rec.inc("embedfleet_input_tokens_total", tokens, {"model": model})
 
+    async def _embed(self, req: EmbedRequest, request_id: str, encodings: list[str]
+                     ) -> tuple[Embedded, Encoded, dict[str, str]]:
+        """Run the pipeline, count what it served, and encode the final vectors (after slices
+        and chunks are merged and ``dimensions`` applied); the response headers with them."""
+        out = await self.pipeline.run(req, request_id)
+        self._served(req.model, len(out.vectors), out.prompt_tokens)
+        enc = await self.encoder.encode(req.model, out.vectors, encodings,
+                                        dimensions=req.dimensions, normalize=req.normalize)
+        return out, enc, {"x-request-id": request_id, **out.headers, **enc.headers}
+
     async def embeddings(self, request: Request) -> Response:
         request_id = f"emb-{uuid.uuid4().hex[:16]}"
 
@@ -91,15 +104,14 @@ class ApiRoutes:
                 await read_json_body(request, self.cfg.router.max_body_bytes))
             seen.append(req.model)
             check_model_allowed(request.state, req.model)  # the key's models= (403)
-            out = await self.pipeline.run(to_pipeline(req, request_lane(request, req.lane)),
-                                          request_id)
-            self._served(req.model, len(out.vectors), out.prompt_tokens)
-            body = embedding_response(out.vectors, model=req.model,
+            out, enc, headers = await self._embed(
+                to_pipeline(req, request_lane(request, req.lane)), request_id,
+                [req.encoding_format])
+            body = embedding_response(enc.arrays[req.encoding_format], model=req.model,
                                       prompt_tokens=out.prompt_tokens,
                                       encoding=req.encoding_format,
                                       cached_tokens=out.cached_tokens, inputs_report=out.inputs)
-            return json_response(body, raw=True,
-                                 headers={"x-request-id": request_id, **out.headers})
+            return json_response(body, raw=True, headers=headers)
 
         return await self._answer("embeddings", f"/v1/embeddings {request_id}", handle)
 
@@ -113,13 +125,31 @@ class ApiRoutes:
             model = req.model or self._default_model
             seen.append(model)
             check_model_allowed(request.state, model)  # the key's models= (403)
-            out = await self.pipeline.run(
-                tei_to_pipeline(req, model, request_lane(request, req.lane)), request_id)
-            self._served(model, len(out.vectors), out.prompt_tokens)
-            return json_response(tei_embed_response(out.vectors), raw=True,
-                                 headers={"x-request-id": request_id, **out.headers})
+            _, enc, headers = await self._embed(
+                tei_to_pipeline(req, model, request_lane(request, req.lane)), request_id,
+                [req.encoding_format])
+            return json_response(tei_embed_response(enc.arrays[req.encoding_format]), raw=True,
+                                 headers=headers)
 
         return await self._answer("embed", f"/embed {request_id}", handle)
+
+    async def cohere_embed(self, request: Request) -> Response:
+        """Cohere's /v2/embed: the same pipeline, several encodings of each vector at once."""
+        request_id = f"coh-{uuid.uuid4().hex[:16]}"
+
+        async def handle(seen: list[str]) -> Response:
+            req = parse_cohere_embed_request(
+                await read_json_body(request, self.cfg.router.max_body_bytes))
+            seen.append(req.model)
+            check_model_allowed(request.state, req.model)  # the key's models= (403)
+            m = self.pipeline.resolve(req.model)
+            out, enc, headers = await self._embed(
+                cohere_to_pipeline(req, m, request_lane(request, req.lane)), request_id,
+                list(req.embedding_types))
+            body = cohere_embed_response(request_id, req.texts, enc.arrays, out.prompt_tokens)
+            return json_response(body, raw=True, headers=headers)
+
+        return await self._answer("embed_v2", f"/v2/embed {request_id}", handle)
 
     async def embed_batch(self, call: BatchCall) -> BatchResult:
         """The Serve-handle API (``embedfleet embed-corpus``): the same pipeline as HTTP, no wire

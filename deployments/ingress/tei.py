@@ -23,6 +23,9 @@ Where embedfleet differs, on purpose:
   absent means the configured default model.
 * Token-id ``inputs`` (which newer TEI accepts) are refused with a message pointing at
   ``/v1/embeddings``, which takes them.
+* ``encoding_format`` (an extension; TEI refuses compact vectors) gives int8, uint8, binary or
+  ubinary vectors as on ``/v1/embeddings`` (``ingress/encodings.py``); with ``normalize: false``
+  int8/uint8 use ranges measured in that unnormalised space.
 * The bare-list response has no room for per-input notes, so what the long-input policy did is in
   response headers (``x-embedfleet-truncated-inputs``, ``x-embedfleet-chunked-inputs``).
 """
@@ -30,7 +33,7 @@ Where embedfleet differs, on purpose:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import orjson
@@ -42,6 +45,10 @@ from ..common.contracts import Lane, SimpleToken
 from ..common.long_input import ChunkAbove, TruncationDirection
 from .openai import parse_body
 from .pipeline import EmbedRequest
+
+
+# /v1/embeddings' encodings less base64 (TEI's answer is a list of number lists)
+TeiEncoding = Literal["float", "int8", "uint8", "binary", "ubinary"]
 
 
 def _bad(code: str, message: str) -> PydanticCustomError:
@@ -105,6 +112,10 @@ class TeiEmbedRequest(BaseModel):
     chunk_above: ChunkAbove | None = None
     """embedfleet extension: with a model whose policy chunks, split every input longer than one
     window (always) or only those over its context (max_model_len); None = the model's policy."""
+    encoding_format: TeiEncoding = "float"
+    """embedfleet extension (TEI has none): the vectors as floats, or compact as on
+    /v1/embeddings (int8/uint8 by the model's ranges, binary/ubinary packed signs), applied
+    after ``dimensions``; each vector is then a list of integers."""
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -158,13 +169,15 @@ def parse_tei_tokenize_request(data: Any) -> TeiTokenizeRequest:
 
 # -- responses -------------------------------------------------------------------------------
 class TeiEmbedResponse(RootModel[list[list[float]]]):
-    """One vector per input, in input order (documents ``tei_embed_response``)."""
+    """One vector per input, in input order (documents ``tei_embed_response``); integers with
+    a compact ``encoding_format``."""
 
 
-def tei_embed_response(vectors: Sequence[np.ndarray]) -> bytes:
-    """TEI's ``EmbedResponse``: a JSON list of float lists, in input order."""
-    return orjson.dumps([np.asarray(v, dtype=np.float32) for v in vectors],
-                        option=orjson.OPT_SERIALIZE_NUMPY)
+def tei_embed_response(vectors: Sequence[np.ndarray] | np.ndarray) -> bytes:
+    """TEI's ``EmbedResponse``: a JSON list of float lists (or of integer lists, for a compact
+    encoding), in input order."""
+    return orjson.dumps([v if np.asarray(v).dtype.kind in "iu" else np.asarray(v, np.float32)
+                         for v in vectors], option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 class TeiTokenizeResponse(RootModel[list[list[SimpleToken]]]):

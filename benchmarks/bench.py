@@ -38,6 +38,9 @@ CPU of the peer's whole process tree, reported as CPU-s per 1,000 texts:
 For the HTTP peers the load driver (this process: HTTP client, JSON, base64 decoding) is
 measured apart and reported as driver CPU-s per 1,000 texts, never added to the peer's figure.
 
+With the embedfleet peer up, the bytes per vector of every encoding_format are measured from its
+answers (benchmarks/encodings_bench.py).
+
 Writes report.json (benchmarks/report.py: every run, the summary, the goals, the machine) and
 chart.png to --out, and prints (benchmarks/report_text.py) a table, the CPU figures and the goals
 (met / NOT met / needs >= 5 repeats). Exit status 1 when a peer failed, a run errored or vectors
@@ -59,6 +62,7 @@ from typing import Any
 from . import report as rpt
 from .bench_runs import compare_peers, cpu_accounting, start_peers
 from .chart import write_chart
+from .encodings_bench import measure_encodings
 from .load_driver import batch_size, concurrency_of, driver_calibration
 from .report_text import closing_lines, summary_table
 from .workloads import FULL, NAMES, QUICK, Workload, build
@@ -242,7 +246,7 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
     runs: list = []
     skipped: list = []
     probes: dict = {}
-    prefix_cache = prefix_affinity = lanes = None
+    prefix_cache = prefix_affinity = lanes = encodings = None
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -255,6 +259,9 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
                                 * (len(peers) - len(active)))
                 runs, skipped, probes = await compare_peers(args, active, workloads, tokens,
                                                             progress, overall, peers)
+                if any(p.name == "embedfleet" for p in active):  # while it is up
+                    encodings = await measure_encodings(
+                        args.embedfleet_url, m.name, next(iter(workloads.values())).texts[:32])
         finally:
             cpu_info = cpu_accounting([p for p in peers
                                        if peer_status.get(p.name, {}).get("status") == "ok"],
@@ -302,7 +309,8 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
         command=sys.argv, started_at=started, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         machine=machine, settings=settings, workloads=winfo,
         peers=peer_status, runs=runs, skipped=skipped, probes=probes, prefix_cache=prefix_cache,
-        prefix_affinity=prefix_affinity, lanes=lanes, cpu_accounting=cpu_info)
+        prefix_affinity=prefix_affinity, lanes=lanes, cpu_accounting=cpu_info,
+        encodings=encodings)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ MIN_COSINE = 0.999  # vectors of one text from two peers must agree at least thi
 REPORT_KEYS = ("schema", "command", "started_at", "finished_at", "machine", "settings",
                "workloads", "peers", "runs", "skipped", "correctness", "summary", "ratios",
                "goals", "cpu_accounting", "prefix_cache", "prefix_affinity", "lanes", "ok",
-               "problems")
+               "problems", "encodings")
 RUN_KEYS = ("repeat", "workload", "peer", "texts", "tokens", "requests", "seconds",
             "texts_per_s", "tokens_per_s", "p50_ms", "p99_ms", "latencies_ms", "cpu_s",
             "cpu_s_per_1k", "driver_cpu_s_per_1k", "cpu", "error")
@@ -282,7 +282,8 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
                  prefix_cache: dict[str, Any] | None,
                  cpu_accounting: dict[str, Any] | None = None,
                  prefix_affinity: dict[str, Any] | None = None,
-                 lanes: dict[str, Any] | None = None) -> dict[str, Any]:
+                 lanes: dict[str, Any] | None = None,
+                 encodings: dict[str, Any] | None = None) -> dict[str, Any]:
     summary = summarize(runs)
     checks = correctness(probes)
     failed_peers = [n for n, p in peers.items() if p.get("status") == "failed"]
@@ -301,6 +302,7 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
         "prefix_cache": prefix_cache,
         "prefix_affinity": prefix_affinity,
         "lanes": lanes,
+        "encodings": encodings,  # bytes per vector of each encoding (encodings_bench.py)
         "ok": not (failed_peers or disagree or run_errors or pc_bad or pa_failed or lanes_failed),
         "problems": {"failed_peers": failed_peers, "disagreeing": disagree,
                      "run_errors": run_errors, "prefix_cache_disagrees": pc_bad,

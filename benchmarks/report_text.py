@@ -9,6 +9,7 @@ import json
 import math
 from typing import Any
 
+from .encodings_bench import encodings_lines
 from .report import BASELINE, MIN_GOAL_REPEATS
 
 
@@ -124,6 +125,7 @@ def closing_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"prefix-cache: {pc.get('status')}: {pc.get('reason')}")
     lines += affinity_lines(report.get("prefix_affinity"))
     lines += lanes_lines(report.get("lanes"))
+    lines += encodings_lines(report.get("encodings"))
     lines += goal_lines(report.get("goals") or [])
     lines.append("result: OK" if report["ok"]
                  else f"result: PROBLEMS {json.dumps(report['problems'])}")

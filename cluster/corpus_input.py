@@ -44,6 +44,23 @@ class CorpusError(Exception):
     """The job cannot go on (no input, an output folder in use, a fingerprint that changed)."""
 
 
+def corpus_error(exc: BaseException) -> str | None:
+    """The job's own reason to stop, also when a worker raised it: Ray Data re-raises a worker's
+    exception wrapped (``UserCodeException`` in a ``RayTaskError``), the message kept in text."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, CorpusError):
+            return str(seen)
+        seen = getattr(seen, "cause", None) or seen.__cause__ or seen.__context__
+    marker = f"{CorpusError.__name__}: "
+    text = str(exc)
+    if marker in text:
+        return text[text.rindex(marker) + len(marker):].strip().splitlines()[0]
+    return None
+
+
 def input_files(path: Path) -> tuple[str, list[str]]:
     """("json" | "parquet", the files) of INPUT: a file, or a folder of one kind of file."""
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]

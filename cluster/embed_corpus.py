@@ -13,8 +13,10 @@ long-input policy, so the same vectors) at low priority, with interactive querie
   kill and a resume (``corpus_out`` says how).
 * A row is refused, and the job goes on, when it is invalid (not JSON, no id, an id on several
   rows, an empty or non-string text: ``corpus_input``) or when the fleet refuses it (e.g. a text
-  over the model's context under ``--long-input reject``). ``--long-input`` is passed with every
-  call, as ``long_input`` is on ``/v1/embeddings``; without it, the model's configured policy.
+  over the model's context under ``--long-input reject``). ``--long-input`` and
+  ``--chunk-above`` are passed with every call, as ``long_input`` and ``chunk_above`` are on
+  ``/v1/embeddings``; without them, the model's configured policy. The fleet refusing
+  ``--chunk-above`` (the mode is not chunk) stops the job: it is about every row, not one.
 * A call answered 4xx for one of its rows loses none of the others: a refusal that names its
   input (``input[k]``) refuses that row and sends the rest again; one that names none is
   bisected down to the row. Calls = 1 + refused rows (named), or ~2 log2(batch) per refused row.
@@ -45,17 +47,18 @@ from typing import Any, get_args
 
 import numpy as np
 
-from .corpus_input import (CorpusError, Refusal, id_problem, input_files, jsonl_block,
-                           missing, parse_line, scan, text_problem)
+from .corpus_input import (CorpusError, Refusal, corpus_error, id_problem, input_files,
+                           jsonl_block, missing, parse_line, scan, text_problem)
 from .corpus_out import (ERRORS, MIXED, ErrorLog, OutLock, Progress,
                          finished_parts, take_block)
-from ..deployments.common.long_input import LongInputMode
+from ..deployments.common.long_input import ChunkAbove, LongInputMode
 
 RETRYABLE_STATUS = (429, 503)
 # Statuses a single row can cause (a text too long, a call's text too large in all); any other
 # refusal (401/403 a key, 404 the model, 422 the call's shape, 5xx) is about the job: it stops.
 ROW_STATUS = (400, 413)
 LONG_INPUT_MODES: tuple[LongInputMode, ...] = get_args(LongInputMode)
+CHUNK_ABOVE: tuple[ChunkAbove, ...] = get_args(ChunkAbove)
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 
 
@@ -69,6 +72,7 @@ class JobSettings:
     long_input: LongInputMode | None = None  # None: the model's configured policy
     kind: str = "json"  # the input's files: "json" (lines, parsed here) or "parquet"
     id_kind: str | None = None  # the corpus's ids: "str" or "int" (corpus_input.scan)
+    chunk_above: ChunkAbove | None = None  # None: the model's configured policy
 
 
 def fingerprint_of(headers: dict[str, str]) -> str:
@@ -114,7 +118,8 @@ class BatchEmbedder:
         from ..deployments.common.errors import EmbedfleetError
         from ..deployments.ingress.remote import REPLICA_GONE
 
-        call = BatchCall(self.settings.model, texts, prompt, "bulk", self.settings.long_input)
+        call = BatchCall(self.settings.model, texts, prompt, "bulk", self.settings.long_input,
+                         self.settings.chunk_above)
         deadline = time.monotonic() + self.settings.max_retry_s
         while True:
             try:
@@ -145,7 +150,7 @@ class BatchEmbedder:
             try:
                 res = self._call([texts[i] for i in rows], prompt, ids[rows[0]])
             except EmbedfleetError as err:
-                if err.status not in ROW_STATUS:
+                if err.status not in ROW_STATUS or err.param == "chunk_above":
                     raise CorpusError(f"the fleet refused the call starting at id "
                                       f"{ids[rows[0]]!r} ({err.status} {err.code}): "
                                       f"{err.message}") from None
@@ -306,23 +311,6 @@ def _embed_rest(files: list[str], out: Path, settings: JobSettings, workers: int
         ray.shutdown()
 
 
-def corpus_error(exc: BaseException) -> str | None:
-    """The job's own reason to stop, also when a worker raised it: Ray Data re-raises a worker's
-    exception wrapped (``UserCodeException`` in a ``RayTaskError``), the message kept in text."""
-    seen: BaseException | None = exc
-    for _ in range(8):
-        if seen is None:
-            break
-        if isinstance(seen, CorpusError):
-            return str(seen)
-        seen = getattr(seen, "cause", None) or seen.__cause__ or seen.__context__
-    marker = f"{CorpusError.__name__}: "
-    text = str(exc)
-    if marker in text:
-        return text[text.rindex(marker) + len(marker):].strip().splitlines()[0]
-    return None
-
-
 def cmd_embed_corpus(args: argparse.Namespace) -> int:
     from ..deployments.ingress.pipeline import SLICE_INPUTS
 
@@ -332,8 +320,13 @@ def cmd_embed_corpus(args: argparse.Namespace) -> int:
               f"--inflight and --workers >= 1 (got {args.inflight}, {args.workers})",
               file=sys.stderr)
         return EXIT_FAILED
+    if args.chunk_above and args.long_input not in (None, "chunk"):
+        print(f"error: --chunk-above applies to chunked texts; --long-input is "
+              f"{args.long_input} (use --long-input chunk, or drop --chunk-above)",
+              file=sys.stderr)
+        return EXIT_FAILED
     settings = JobSettings(args.app, args.model, args.batch_size, args.inflight,
-                           args.max_retry_s, args.long_input)
+                           args.max_retry_s, args.long_input, chunk_above=args.chunk_above)
     try:
         s = run(Path(args.input), Path(args.out), settings, args.workers, args.address)
     except Exception as exc:
@@ -386,6 +379,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--long-input", choices=LONG_INPUT_MODES, default=None,
                    help="a text longer than the model's context: truncate it, chunk it, or "
                    "reject it (to errors.jsonl); default: the model's configured policy")
+    p.add_argument("--chunk-above", choices=CHUNK_ABOVE, default=None,
+                   help="in chunk mode, which texts are split into windows: those over the "
+                   "model's context (max_model_len) or every text (always); default: the "
+                   "model's configured policy")
     p.add_argument("--app", default="embedfleet", help="the Serve application (default: "
                    "embedfleet)")
     p.add_argument("--address", help="Ray address (default: the local cluster)")

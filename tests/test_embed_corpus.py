@@ -30,8 +30,10 @@ LONG = "word " * 30  # 32 tokens: over the stand-in's 16, under its 64 in all
 HUGE = "word " * 80  # 82 tokens: over the stand-in's bound in every mode
 
 
-def settings(batch_size=4, long_input=None, kind="parquet", id_kind="str", max_retry_s=5.0):
-    return ec.JobSettings("app", "m", batch_size, 2, max_retry_s, long_input, kind, id_kind)
+def settings(batch_size=4, long_input=None, kind="parquet", id_kind="str", max_retry_s=5.0,
+             chunk_above=None):
+    return ec.JobSettings("app", "m", batch_size, 2, max_retry_s, long_input, kind, id_kind,
+                          chunk_above)
 
 
 def rows_of(table: pa.Table) -> tuple[dict, dict]:
@@ -67,6 +69,29 @@ def test_the_long_input_mode_goes_with_every_call(mode):
         assert list(embedded) == ["s"] and refused == {"l": "context_length_exceeded"}
     else:
         assert embedded["l"] == vector_of(LONG, mode) and not refused
+
+
+@pytest.mark.parametrize("chunk_above", [None, "max_model_len", "always"])
+def test_the_chunk_above_choice_goes_with_every_call(chunk_above):
+    handle = StandInHandle()
+    out = embedder(handle, settings(long_input="chunk", chunk_above=chunk_above))(
+        arrow_block({"id": ["s", "l"], "text": ["short text", LONG]}))
+    assert handle.calls and {c.chunk_above for c in handle.calls} == {chunk_above}
+    assert list(rows_of(out)[0]) == ["s", "l"]
+
+
+def test_a_refused_chunk_above_stops_the_job_instead_of_refusing_every_row(tmp_path,
+                                                                           monkeypatch, capsys):
+    """Outside chunk mode (the stand-in model's policy is reject) the fleet refuses chunk_above
+    with a 400 naming no input: that is about every row, so the job stops (exit 1) after one
+    call, not bisecting each call down to its rows and refusing them all."""
+    src, out = tmp_path / "c.jsonl", tmp_path / "out"
+    src.write_text("".join(json.dumps({"id": i, "text": f"t {i}"}) + "\n" for i in range(8)))
+    handle = StandInHandle()
+    assert job(src, out, handle, chunk_above="always", monkeypatch=monkeypatch) == \
+        ec.EXIT_FAILED
+    assert "chunk_above applies to chunked inputs" in capsys.readouterr().err
+    assert len(handle.calls) <= 2 and not (out / co.ERRORS).exists()  # one call per in-flight
 
 
 def test_a_named_refusal_costs_one_call_and_none_of_the_calls_other_rows():
@@ -150,11 +175,12 @@ def corpus(path, n=40):
     return path
 
 
-def job(src, out, handle, mode=None, kill_after=None, monkeypatch=None, batch=4):
+def job(src, out, handle, mode=None, kill_after=None, monkeypatch=None, batch=4,
+        chunk_above=None):
     monkeypatch.setattr(ec, "_embed_rest", in_process_rest(handle, kill_after))
     args = argparse.Namespace(input=str(src), out=str(out), model="m", app="app", address=None,
                               workers=1, batch_size=batch, inflight=2, max_retry_s=5.0,
-                              long_input=mode)
+                              long_input=mode, chunk_above=chunk_above)
     return ec.cmd_embed_corpus(args)
 
 
@@ -313,7 +339,23 @@ def test_a_bad_command_line_exits_1_not_2_which_means_refused_rows(argv, capsys)
     assert stop.value.code == ec.EXIT_FAILED == 1
     assert "embed-corpus: error:" in capsys.readouterr().err
     args = build_parser().parse_args(["embed-corpus", "c.jsonl", "--model", "m", "--out", "o"])
-    assert args.long_input is None  # the model's own policy unless asked
+    assert args.long_input is None and args.chunk_above is None  # the model's own policy
+
+
+def test_chunk_above_is_an_option_that_needs_chunk_mode(tmp_path, capsys):
+    from embedfleet.cluster.cli import build_parser
+
+    base = ["embed-corpus", str(tmp_path / "c.jsonl"), "--model", "m", "--out", str(tmp_path)]
+    args = build_parser().parse_args([*base, "--chunk-above", "always", "--long-input", "chunk"])
+    assert (args.chunk_above, args.long_input) == ("always", "chunk")
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args([*base, "--chunk-above", "sometimes"])
+    assert stop.value.code == ec.EXIT_FAILED
+    # refused before anything is read or started, naming both options
+    args = build_parser().parse_args([*base, "--chunk-above", "always", "--long-input",
+                                      "truncate"])
+    assert ec.cmd_embed_corpus(args) == ec.EXIT_FAILED
+    assert "--chunk-above applies to chunked texts" in capsys.readouterr().err
 
 
 def test_the_exit_statuses_are_in_the_help(capsys):

@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, PositiveInt
 from typing_extensions import TypedDict  # pydantic documents only this TypedDict before 3.12
 
-from .long_input import LongInputMode, LongInputPolicy
+from .long_input import ChunkAbove, LongInputMode, LongInputPolicy
 
 Lane = Literal["interactive", "bulk"]
 LANES: tuple[Lane, ...] = get_args(Lane)  # in serving order: interactive first
@@ -103,6 +103,7 @@ class BatchCall:
     prompt_name: str | None = None
     lane: Lane = "bulk"
     long_input: LongInputMode | None = None  # None: the model's configured policy
+    chunk_above: ChunkAbove | None = None  # None: the model's; a 400 unless the mode is chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,13 +287,11 @@ class ModelReadiness(_Model):
 
     ``starting``: replica actors that exist (or are being created on a node with a free card)
     but are not serving yet — an engine loading or swapping, or a replacement on its way.
-    ``waiting``: why replicas wait for a card no node has free ("" if none wait).
-    ``never``: why the model can never get a card ("" unless every card is held for good)."""
+    ``waiting``: why replicas wait for a card no node has free ("" if none wait)."""
 
     ready: int
     starting: int
     waiting: str = ""
-    never: str = ""
     checked_at: float
 
 

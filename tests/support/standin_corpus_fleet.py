@@ -6,7 +6,7 @@ over ``max_len`` tokens is refused under ``reject`` with the replica's own messa
 has N tokens, more than the model's maximum context length ...``, the first such input of the
 call, as the replica plans inputs in order), and over ``max_total`` tokens in every mode; a call
 over ``max_chars`` characters in all is refused as a whole (413, naming no input, as the
-pipeline's request bound is). A vector tells its text and the mode that embedded it apart:
+pipeline's request bound is); ``chunk_above`` outside chunk mode is a 400 naming no input. A vector tells its text and the mode that embedded it apart:
 ``[words, chars, mode index, 1]``. ``failures`` are raised first, one per call.
 
 ``in_process_rest`` replaces ``embed_corpus._embed_rest`` (Ray Data, the worker pool) with the
@@ -28,7 +28,8 @@ import numpy as np
 from embedfleet.cluster import embed_corpus as ec
 from embedfleet.cluster.corpus_out import take_block
 from embedfleet.deployments.common.contracts import BatchResult
-from embedfleet.deployments.common.errors import InputTooLong, RequestTooLarge
+from embedfleet.deployments.common.errors import (InputTooLong, InvalidParameterValue,
+                                                   RequestTooLarge)
 
 PRINT = {"x-embedfleet-model-digest": "abc", "x-embedfleet-dtype": "float32",
          "x-embedfleet-engine": "vllm", "x-embedfleet-platform": "cpu"}
@@ -63,6 +64,9 @@ class StandInHandle:
         if self.failures:
             raise self.failures.pop(0)
         mode = call.long_input or self.policy
+        if call.chunk_above and mode != "chunk":  # as the pipeline's request_policy refuses it
+            raise InvalidParameterValue(f"chunk_above applies to chunked inputs; this request's "
+                                        f"long-input mode is {mode!r}", param="chunk_above")
         if sum(len(t) for t in call.texts) > self.max_chars:
             raise RequestTooLarge(f"texts has {sum(len(t) for t in call.texts)} characters in "
                                   f"all, more than model 'm''s limits.max_chars of "

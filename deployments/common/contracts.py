@@ -287,11 +287,13 @@ class ModelReadiness(_Model):
 
     ``starting``: replica actors that exist (or are being created on a node with a free card)
     but are not serving yet — an engine loading or swapping, or a replacement on its way.
-    ``waiting``: why replicas wait for a card no node has free ("" if none wait)."""
+    ``waiting``: why replicas wait for a card no node has free ("" if none wait).
+    ``never``: why the model can never get a card ("" unless every card is held for good)."""
 
     ready: int
     starting: int
     waiting: str = ""
+    never: str = ""
     checked_at: float
 
 

@@ -257,3 +257,18 @@ def test_ranges_label_is_a_digest_of_the_values():
     a = Ranges(np.array([[0.0], [1.0]], np.float32), "config")
     b = Ranges(np.array([[0.0], [1.0 + 1e-6]], np.float32), "config")
     assert a.label == Ranges(a.values.copy(), "config").label != b.label
+
+
+def test_a_waiter_that_goes_away_leaves_the_measurement_to_the_others():
+    cal = Calibrations(8)
+    book = RangesBook(lambda m: None, cal)
+
+    async def go():
+        first = asyncio.ensure_future(book.get("m", None, True, 8))
+        await asyncio.sleep(0)
+        first.cancel()  # its client went away mid-calibration
+        second = await book.get("m", None, True, 8)
+        return first, second
+
+    first, second = asyncio.run(go())
+    assert first.cancelled() and second.values.shape == (2, 8) and len(cal.calls) == 1

@@ -154,17 +154,19 @@ class RangesBook:
         if fut is None:
             fut = asyncio.get_running_loop().create_task(self._measure(model, dimensions,
                                                                        normalize))
+            fut.add_done_callback(lambda f: self._forget_failed(key, f))
             self._measured[key] = fut
-        try:
-            ranges = await asyncio.shield(fut)
-        except BaseException:
-            if self._measured.get(key) is fut and fut.done():
-                del self._measured[key]  # retried by the next request
-            raise
+        # shielded: a waiter that goes away (its client did) leaves the measurement to the others
+        ranges = await asyncio.shield(fut)
         if ranges.values.shape[1] != d:  # cannot happen unless the model changed under us
             raise InternalError(f"model '{model}': calibration gave {ranges.values.shape[1]}-d "
                                 f"vectors for a {d}-d request")
         return ranges
+
+    def _forget_failed(self, key: tuple[str, int | None, bool], fut: asyncio.Future) -> None:
+        """A failed or cancelled measurement is not kept: the next request measures again."""
+        if (fut.cancelled() or fut.exception() is not None) and self._measured.get(key) is fut:
+            del self._measured[key]
 
     async def _measure(self, model: str, dimensions: int | None, normalize: bool) -> Ranges:
         vectors = await self._calibrate(model, dimensions, normalize)

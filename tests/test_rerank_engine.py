@@ -13,7 +13,15 @@ import pytest
 from embedfleet.deployments.config.schema import parse_config
 from embedfleet.deployments.engine.rerank_models import FAMILIES, QWEN3_RERANKER_OVERRIDES
 from embedfleet.deployments.engine.vllm_engine import VllmEmbeddingEngine
+from embedfleet.deployments.common import metrics
+from embedfleet.deployments.common.contracts import Fingerprint
+from embedfleet.deployments.common.rerank_calls import RerankCall
+from embedfleet.deployments.engine.gate import EngineGate
+from embedfleet.deployments.engine.platform import CardIdentity
+from embedfleet.deployments.replica.admission import AdmissionBudget
 from embedfleet.deployments.replica.canary import run_canary, run_rerank_canary
+from embedfleet.deployments.replica.parts import request_path
+from embedfleet.deployments.replica.rerank_path import RerankPath
 from tests.support.tiny_qwen3_reranker import build_tiny_qwen3_reranker, reference_scores
 
 pytestmark = pytest.mark.engine
@@ -23,11 +31,15 @@ DOCS = ["The capital of China is Beijing.", "Gravity is a force between two mass
         "Beijing has been the capital for centuries.", "Bananas are yellow."]
 
 
-def _kwargs(folder, overrides=None) -> dict:
-    model = {"name": "tiny-rerank", "task": "rerank", "source": {"path": str(folder)},
+def _model(folder, canary=None) -> dict:
+    return {"name": "tiny-rerank", "task": "rerank", "source": {"path": str(folder)},
              "max_model_len": 1024,
-             "engine": {"max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 32 << 20}}
-    cfg = parse_config({"platform": {"kind": "cpu"}, "models": [model]})
+             "engine": {"max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 32 << 20},
+             **({"rerank": {"canary": canary}} if canary else {})}
+
+
+def _kwargs(folder, overrides=None) -> dict:
+    cfg = parse_config({"platform": {"kind": "cpu"}, "models": [_model(folder)]})
     kw = cfg.engine_kwargs(cfg.models[0], enable_prefix_caching=True)
     if overrides is not None:  # past the config's check: what an unknown family could get
         kw["hf_overrides"] = overrides
@@ -52,12 +64,27 @@ def test_scores_equal_the_transformers_reference(folder):
         want = reference_scores(folder, ids)
         triple = _triple_ids(engine, want)
 
-        async def scenario():  # one event loop: AsyncLLM's output task lives in the first one
-            return (await engine.embed(ids, request_id="rr"),
-                    await engine.embed(ids, request_id="rr-raw", normalize=False),
-                    await run_rerank_canary(engine, triple), await run_canary(engine))
+        best = max(range(len(DOCS)), key=lambda i: want[i])
+        worst = min(range(len(DOCS)), key=lambda i: want[i])
+        m = parse_config({"platform": {"kind": "cpu"}, "models": [_model(folder, {
+            "query": QUERY, "relevant": DOCS[best], "irrelevant": DOCS[worst]})]}).models[0]
 
-        out, raw, ordering, cache = asyncio.run(scenario())
+        async def scenario():  # one event loop: AsyncLLM's output task lives in the first one
+            direct = (await engine.embed(ids, request_id="rr"),
+                      await engine.embed(ids, request_id="rr-raw", normalize=False),
+                      await run_rerank_canary(engine, triple), await run_canary(engine))
+            # the replica's whole rerank path: its start-up checks, then a call through the
+            # owner queue, as EngineReplica runs it
+            path = request_path(m, parse_config({"models": [_model(folder)]}).router,
+                                CardIdentity("n", "n", "127.0.0.1", "0"), "r1",
+                                gate=EngineGate(engine), queue=AdmissionBudget(64, 1 << 16),
+                                reads_cache=lambda: True, recorder=metrics.Batched(),
+                                fingerprint=lambda: Fingerprint("d", "float32", "e", "cpu", True))
+            rr = RerankPath(path, m)
+            await rr.start()
+            return (*direct, await rr.rerank(RerankCall(QUERY, DOCS, "call", m.name)))
+
+        out, raw, ordering, cache, via_path = asyncio.run(scenario())
     finally:
         engine.shutdown()
     got = [float(e.vector[0]) for e in out]
@@ -71,6 +98,8 @@ def test_scores_equal_the_transformers_reference(folder):
     assert max(abs(1 / (1 + math.exp(-float(r.vector[0]))) - g)
                for r, g in zip(raw, got)) <= 1e-5
     assert len({round(g, 6) for g in got}) == len(got)  # the documents are told apart
+    assert max(abs(a - b) for a, b in zip(via_path.scores, want)) <= 1e-3
+    assert via_path.prompt_tokens == sum(len(x) for x in ids)
 
 
 def test_swapped_tokens_give_the_complement_and_fail_the_canary(folder):

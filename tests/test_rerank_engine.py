@@ -33,9 +33,9 @@ DOCS = ["The capital of China is Beijing.", "Gravity is a force between two mass
 
 def _model(folder, canary=None) -> dict:
     return {"name": "tiny-rerank", "task": "rerank", "source": {"path": str(folder)},
-             "max_model_len": 1024,
-             "engine": {"max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 32 << 20},
-             **({"rerank": {"canary": canary}} if canary else {})}
+            "max_model_len": 1024,
+            "engine": {"max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 32 << 20},
+            **({"rerank": {"canary": canary}} if canary else {})}
 
 
 def _kwargs(folder, overrides=None) -> dict:

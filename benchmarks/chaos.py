@@ -51,40 +51,14 @@ from typing import Any
 # Options, orchestration and the command live here; what each fault hits in chaos_targets, the
 # faults in chaos_faults, the load in chaos_load, the per-model arithmetic in chaos_stats and the
 # report in chaos_report. Their names are re-exported because tests import them from here.
-from .chaos_faults import (
-Cluster,
-fault_schedule,
-flood_plan,
-inject_faults,
-parse_faults,
-)
-from .chaos_load import (
-MAX_CONCURRENCY,
-MAX_DURATION_S,
-MAX_REQUESTS,
-MAX_RPS,
-Tally,
-classify,
-mixed_request,
-run_load,
-)
+from .chaos_faults import (Cluster, fault_schedule, flood_plan, inject_faults, parse_faults)
+from .chaos_load import (MAX_CONCURRENCY, MAX_DURATION_S, MAX_REQUESTS, MAX_RPS, Tally, classify,
+                         mixed_request, run_load)
 from .chaos_report import build_report, summary
 from .chaos_stats import Sample, by_model, memory_growth, percentile, stats
-from .chaos_targets import (
-ENGINE_REPLICA,
-FAULT_KINDS,
-MAX_BURST,
-TARGETS,
-burst_size,
-engine_core_pids,
-engine_replicas,
-find_targets,
-is_actor_process,
-model_of,
-pause_seconds,
-process_role,
-serve_actors,
-)
+from .chaos_targets import (ENGINE_REPLICA, FAULT_KINDS, MAX_BURST, TARGETS, burst_size,
+                            engine_core_pids, engine_replicas, find_targets, is_actor_process,
+                            model_of, pause_seconds, process_role, serve_actors)
 
 __all__ = [
     # this module: options, orchestration, the command

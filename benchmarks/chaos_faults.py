@@ -17,18 +17,8 @@ from typing import Any
 
 from .chaos_load import send_burst
 from .chaos_stats import Sample, by_model
-from .chaos_targets import (
-FAULT_KINDS,
-TARGETS,
-burst_size,
-engine_core_pids,
-find_targets,
-is_actor_process,
-model_of,
-pick_target,
-process_role,
-serve_actors,
-)
+from .chaos_targets import (FAULT_KINDS, TARGETS, burst_size, engine_core_pids, find_targets,
+                            is_actor_process, model_of, pick_target, process_role, serve_actors)
 
 DEFAULT_BURST = 256  # without --burst or --config the admission bound is unknown
 FLOOD_LEAD_S = 1.0  # the burst is sent this long before the kill, so it is queued when it lands

@@ -9,16 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from .chaos_load import Tally
-from .chaos_stats import (
-by_model,
-fault_windows,
-in_window,
-memory_growth,
-ms,
-process_growth,
-role_memory,
-stats,
-)
+from .chaos_stats import (by_model, fault_windows, in_window, memory_growth, ms, process_growth,
+                          role_memory, stats)
 from .chaos_targets import FAULT_KINDS
 
 VERDICT = "every_failure_503_or_429_with_retry_after"

@@ -13,12 +13,7 @@ import time
 import httpx
 import yaml
 
-from .prometheus_server import (
-CONFIG_NAME,
-PrometheusStartError,
-find_binary,
-start_prometheus,
-)
+from .prometheus_server import (CONFIG_NAME, PrometheusStartError, find_binary, start_prometheus)
 from .prometheus_server import stop_from_pidfile
 from ..deployments.config.schema import EmbedfleetConfig
 from ..deployments.common.settings import settings

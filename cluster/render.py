@@ -7,14 +7,10 @@ from typing import Any
 import yaml
 
 from ..deployments.config.schema import EmbedfleetConfig, config_to_data, parse_config
-from ..deployments.config.ray_options import (
-RUNTIME_ENV_VARS,
-engine_deployment_options,
-governor_deployment_options,
-proxy_request_timeout_s,
-registry_deployment_options,
-router_deployment_options,
-)
+from ..deployments.config.ray_options import (RUNTIME_ENV_VARS, engine_deployment_options,
+                                              governor_deployment_options, proxy_request_timeout_s,
+                                              registry_deployment_options,
+                                              router_deployment_options)
 
 IMPORT_PATH = "embedfleet.deployments.app:build_app"
 

@@ -14,12 +14,8 @@ from ray.serve import Application
 
 from .config.schema import ConfigError, EmbedfleetConfig, config_to_data, parse_config
 from .fleet.governor import MemoryGovernor
-from .config.ray_options import (
-engine_deployment_options,
-governor_deployment_options,
-registry_deployment_options,
-router_deployment_options,
-)
+from .config.ray_options import (engine_deployment_options, governor_deployment_options,
+                                 registry_deployment_options, router_deployment_options)
 from .fleet.registry import FleetRegistry
 from .engine.lifecycle import DEFAULT_ENGINE_FACTORY
 from .replica.engine_replica import EngineReplica

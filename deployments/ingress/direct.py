@@ -108,5 +108,5 @@ class DirectEngine(ApiIngress):
 
 def direct_deployment(app: FastAPI | None = None) -> type:
     """The engine deployment class of a one-model app that takes HTTP (a new FastAPI app each
-    call, as ``router_deployment``)."""
+    call, as the Router gets from ``mount_routes``)."""
     return mount_routes(new_api() if app is None else app, DirectEngine)

@@ -33,8 +33,8 @@ from ..config.schema import EmbedfleetConfig
 from ..common.contracts import BatchCall, BatchResult, FleetStatus, Lane
 from ray.serve.exceptions import BackPressureError
 
-from ..common.errors import EmbedfleetError, EngineUnavailable, NotReady, \
-Overloaded, error_response, internal_error_response
+from ..common.errors import (EmbedfleetError, EngineUnavailable, NotReady, Overloaded,
+                             error_response, internal_error_response)
 from .pipeline import (REPLICAS_HEADER, EmbedPipeline,
                            EmbedRequest, Embedded, check_request_size)
 from .remote import REPLICA_GONE
@@ -161,6 +161,7 @@ class ApiRoutes:
             out = await self.pipeline.run(EmbedRequest(call.model, call.texts, "texts",
                                                        prompt_name=call.prompt_name,
                                                        long_input_mode=call.long_input,
+                                                       chunk_above=call.chunk_above,
                                                        lane=call.lane), request_id)
             status = 200
         except EmbedfleetError as err:

@@ -16,16 +16,8 @@ import numpy as np
 from ..common.contracts import InputReport
 from ..engine.vllm_engine import EngineInfo
 from ..common.errors import InvalidTokenId, UnsupportedParameter
-from ..common.long_input import (
-InputPlan,
-LongInputPolicy,
-SpecialTokens,
-apply_dimensions,
-check_dimensions,
-flatten,
-merge_planned,
-plan,
-)
+from ..common.long_input import (InputPlan, LongInputPolicy, SpecialTokens, apply_dimensions,
+                                 check_dimensions, flatten, merge_planned, plan)
 from ..common.prompts import PromptTemplates
 
 

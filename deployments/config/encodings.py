@@ -18,6 +18,7 @@ class EncodingsConfig(BaseModel):
         default=None, description="A JSON file of per-dimension ranges for the int8 and uint8 "
         "encodings, keyed by the vector's dimension count: {\"384\": [[min, ...], [max, ...]]} "
         "(sentence-transformers' `ranges`, shape (2, d), of L2-normalised vectors). Each ingress "
-        "reads it on its own node at first use, so every ingress quantises with the same "
+        "reads it on its own node when it starts (a file it cannot read stops it from "
+        "starting), so every ingress quantises with the same "
         "numbers. None, or a dimension count the file lacks, or normalize=false: ranges "
         "measured once per ingress from the calibration texts shipped with the code.")

@@ -130,6 +130,18 @@ class RangesBook:
         self._files: dict[str, dict[int, np.ndarray]] = {}
         self._measured: dict[tuple[str, int | None, bool], asyncio.Future] = {}
 
+    def preload(self, models: list[str]) -> None:
+        """Read every model's ranges file now, at the ingress's start: a file that cannot be
+        read stops the ingress replica from starting (its reason in Serve's status), never a
+        500 on the first int8 request."""
+        for model in models:
+            if (path := self._ranges_file(model)) is not None and model not in self._files:
+                try:
+                    self._files[model] = load_ranges_file(path)
+                except ValueError as err:
+                    raise ValueError(f"model '{model}': encodings.int8_ranges_file: {err}") \
+                        from None
+
     def _from_file(self, model: str, d: int) -> Ranges | None:
         path = self._ranges_file(model)
         if path is None:
@@ -223,4 +235,6 @@ def encoder_for(pipeline: EmbedPipeline) -> Encoder:
     def ranges_file(model: str) -> str | None:
         return pipeline.resolve(model).encodings.int8_ranges_file
 
-    return Encoder(RangesBook(ranges_file, calibrate))
+    book = RangesBook(ranges_file, calibrate)
+    book.preload([m.name for m in pipeline.cfg.models])
+    return Encoder(book)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import yaml
 
-from embedfleet.deployments.config.schema import (CONFIG_DIR, CHARS_PER_TOKEN_BOUND, REQUEST_STEPS_BOUND,
-                                           parse_config)
+from embedfleet.deployments.config.admission import CHARS_PER_TOKEN_BOUND, REQUEST_STEPS_BOUND
+from embedfleet.deployments.config.schema import CONFIG_DIR, parse_config
 from embedfleet.deployments.common.contracts import EmbedCall
 from embedfleet.deployments.engine.vllm_engine import Embedding
 from embedfleet.deployments.common.errors import ModelNotFound, RequestTooLarge, TooManyInputs

@@ -27,7 +27,8 @@ from ..common import metrics
 from ..common.contracts import CanaryView, Ceiling, Fingerprint, Limits
 from ..config.governor import GovernorConfig, GovernorParams
 from ..config.router import RouterConfig
-from ..config.schema import AdmissionConfig, EmbedfleetConfig, ModelConfig, PlatformProfile
+from ..config.admission import AdmissionConfig
+from ..config.schema import EmbedfleetConfig, ModelConfig, PlatformProfile
 from ..engine.card_memory import CpuCardModel
 from ..engine.card_profile import resolve_profile
 from ..engine.gate import EngineGate

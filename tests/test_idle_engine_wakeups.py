@@ -242,6 +242,7 @@ def test_the_engine_marks_each_finished_sequence_before_its_call_ends():
     async def scenario() -> tuple[float, float, int]:
         engine = object.__new__(VllmEmbeddingEngine)  # no engine process
         engine._llm, engine.last_output_at = FakeLLM(), 0.0
+        engine.info = SimpleNamespace(pooling_task="embed")  # what an embedding model's runs
         call = asyncio.ensure_future(engine.embed([[1, 2], [3, 4]], request_id="x"))
         for _ in range(50):  # until the first sequence's output is in
             await asyncio.sleep(0.01)

@@ -55,5 +55,6 @@ def test_the_engine_passes_the_priority_to_asyncllm_encode():
 
     engine = object.__new__(VllmEmbeddingEngine)  # no engine process: vLLM's API is faked
     engine._llm = FakeLLM()
+    engine.info = SimpleNamespace(pooling_task="embed")  # what an embedding model's runs
     out = asyncio.run(engine.embed([[1, 2], [3, 4]], request_id="x", priority=1))
     assert seen == [1, 1] and len(out) == 2

@@ -15,6 +15,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from embedfleet.deployments.ingress.openai import EmbeddingRequest
+from embedfleet.deployments.ingress.cohere import CohereEmbedRequest
+from embedfleet.deployments.ingress.rerank import RerankApiRequest, ScoreRequest, TeiRerankRequest
 from embedfleet.deployments.ingress.tei import TeiEmbedRequest, TeiTokenizeRequest
 
 # Every depth a few levels either side of where something changes: 1..64 all, orjson's
@@ -42,6 +44,13 @@ ROUTES: dict[str, tuple[type[BaseModel], dict[str, Any]]] = {
     "/v1/embeddings": (EmbeddingRequest, {"input": "a"}),  # + the model, set by the caller
     "/embed": (TeiEmbedRequest, {"inputs": "a"}),
     "/tokenize": (TeiTokenizeRequest, {"inputs": "a"}),
+    # "model": None = the caller's model goes there
+    "/v2/embed": (CohereEmbedRequest, {"model": None, "texts": ["a"],
+                                       "input_type": "search_document"}),
+    "/rerank": (TeiRerankRequest, {"query": "a", "texts": ["a"]}),
+    "/v1/rerank": (RerankApiRequest, {"model": None, "query": "a", "documents": ["a"]}),
+    "/v2/rerank": (RerankApiRequest, {"model": None, "query": "a", "documents": ["a"]}),
+    "/score": (ScoreRequest, {"model": None, "text_1": "a", "text_2": "a"}),
 }
 # Where the deep value goes: each typed field, the whole body, and an unknown parameter.
 WHOLE_BODY, UNKNOWN_FIELD = "<body>", "<unknown>"
@@ -56,7 +65,7 @@ def body_with(path: str, model: str, where: str, value: bytes) -> bytes:
     if where == WHOLE_BODY:
         return value
     base = dict(ROUTES[path][1])
-    if path == "/v1/embeddings":
+    if path == "/v1/embeddings" or "model" in base:
         base["model"] = model
     base.pop(where, None)
     key = "zz_unknown" if where == UNKNOWN_FIELD else where

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from .openai import EmbeddingRequest, EmbeddingResponse
 from .cohere import CohereEmbedRequest, CohereEmbedResponse
@@ -23,6 +23,7 @@ from .rerank import OPENAPI_ROUTES as RERANK_ROUTES
 from .tei import (TeiEmbedRequest, TeiEmbedResponse,
               TeiTokenizeRequest, TeiTokenizeResponse)
 from ..common.contracts import CardStatus, ModelStatus, PrefixCacheView
+from ..config.rerank import ModelTask
 from ..common.errors import (BodyTooLarge, EmbedfleetError, EngineUnavailable,
                       InputTooLong, InvalidJSON, InvalidParameterValue,
                       InvalidTokenId, ModelNotFound, NotReady, Overloaded,
@@ -73,6 +74,8 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    task: ModelTask = Field(description="The model's role: embed (/v1/embeddings, /embed, "
+                            "/v2/embed) or rerank (/rerank, /v1/rerank, /v2/rerank, /score).")
     max_input_tokens: int | None
     dimensions: int | None
     matryoshka_dimensions: list[int]

@@ -239,6 +239,7 @@ class ApiRoutes:
         hidden = None if self.cfg.router.expose_replica_details else {"node", "pid"}
         data = [{
             "id": m.model, "object": "model", "created": self.started, "owned_by": "embedfleet",
+            "task": self.cfg.model(m.model).task,  # the model's role: which routes it answers
             "max_input_tokens": m.max_input_tokens, "dimensions": m.dimensions,
             "matryoshka_dimensions": m.matryoshka_dimensions,
             "replicas": {"ready": m.ready, "min": m.min_replicas, "max": m.max_replicas,

@@ -64,8 +64,12 @@ ray.init(address="auto", logging_level="ERROR", log_to_driver=False,
 data = config_to_data(cfg)
 registry = serve.deployment(FleetRegistry).options(**registry_deployment_options(cfg)).bind(data)
 governor = serve.deployment(MemoryGovernor).options(**governor_deployment_options(cfg)).bind(data)
+# "nowait": the replica is expected to fail its start; one failed start is the proof, so Serve
+# is not left to retry a reranker's whole engine start (a minute each here) before DEPLOY_FAILED.
+retries = {} if wait else {"max_constructor_retry_count": 1}
 engines = {m.name: serve.deployment(EngineReplica).options(
-    **engine_deployment_options(cfg, m)).bind(data, m.name, registry, factory, governor)
+    **engine_deployment_options(cfg, m), **retries).bind(data, m.name, registry, factory,
+                                                          governor)
     for m in cfg.models}
 app = serve.deployment(mount_routes(new_api(), Router)).options(
     **router_deployment_options(cfg)).bind(data, engines, registry, governor)

@@ -14,8 +14,9 @@ card keeps working for a request already answered with an error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,24 +173,33 @@ class EmbedPipeline:
         return m
 
 
-    async def run(self, req: EmbedRequest, request_id: str) -> Embedded:
-        m = self.check(req)
-        bulk = req.lane == "bulk"
-        if self._inflight[req.model] >= self._share or (
-                bulk and self._bulk_inflight[req.model] >= self._bulk_share):
+    @contextlib.contextmanager
+    def held(self, model: str, lane: Lane) -> Iterator[None]:
+        """One request of ``model`` in its router share while the block runs; past the share
+        (or bulk's part of it), 429 + Retry-After. Every route that calls a model's replicas
+        holds it (embeddings here, rerank in ``ingress/rerank.py``): one model's clients cannot
+        take the router from the others whatever route they call."""
+        bulk = lane == "bulk"
+        if self._inflight[model] >= self._share or (
+                bulk and self._bulk_inflight[model] >= self._bulk_share):
             metrics.get("embedfleet_overload_rejections_total").inc(
-                1, tags={"model": req.model, "reason": "router_share"})
+                1, tags={"model": model, "reason": "router_share"})
             wait = self.cfg.router.retry_after_s
             what, n = ("bulk requests", self._bulk_share) if bulk else ("requests", self._share)
-            raise Overloaded(f"model '{req.model}' already has {n} {what} in the router, its "
+            raise Overloaded(f"model '{model}' already has {n} {what} in the router, its "
                              f"share; retry after {wait}s", retry_after_s=wait)
-        self._inflight[req.model] += 1
-        self._bulk_inflight[req.model] += bulk
+        self._inflight[model] += 1
+        self._bulk_inflight[model] += bulk
         try:
-            return await self._run(m, req, request_id)
+            yield
         finally:
-            self._inflight[req.model] -= 1
-            self._bulk_inflight[req.model] -= bulk
+            self._inflight[model] -= 1
+            self._bulk_inflight[model] -= bulk
+
+    async def run(self, req: EmbedRequest, request_id: str) -> Embedded:
+        m = self.check(req)
+        with self.held(req.model, req.lane):
+            return await self._run(m, req, request_id)
 
     async def _run(self, m: ModelConfig, req: EmbedRequest, request_id: str) -> Embedded:
         caller = self._callers[req.model]

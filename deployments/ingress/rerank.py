@@ -12,7 +12,8 @@
   "usage"}``, in pair order.
 
 Each goes through what embeddings go through: the model's API-key scope, the request bounds
-(``pipeline.check_request_size``: inputs, characters), then the replica's token bound, admission,
+(``pipeline.check_request_size``: inputs, characters), the model's router share
+(``EmbedPipeline.held``: 429 past it), then the replica's token bound, admission,
 lanes and engine gate (``replica/rerank_path.py``), and the one error mapping. A model's role is
 checked first: an embedding model asked to rerank is a 400 that says so (and the embed pipeline
 refuses a reranker the same way). ``model`` is optional on TEI's route (the first reranker).
@@ -20,7 +21,6 @@ refuses a reranker the same way). ``model`` is optional on TEI's route (the firs
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any, Literal
@@ -37,7 +37,7 @@ from .auth import check_model_allowed
 from .http import json_response, read_json_body
 from .lanes import request_lane
 from .openai import parse_body
-from .pipeline import REPLICAS_HEADER, Caller, EmbedPipeline, check_request_size
+from .pipeline import REPLICAS_HEADER, Caller, EmbedPipeline, call_all, check_request_size
 
 class _Req(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -206,17 +206,25 @@ class RerankService:
             raise ModelNotFound(f"model '{m.name}' is not served by this ingress", param="model")
         return m
 
+    def admit(self, request: Request, seen: list[str], model: str | None, texts: list[str],
+              param: str) -> tuple[ModelConfig, Lane]:
+        """The checks before any replica call: role (400), the key's models= (403), the
+        request's size (422, 413); the model and the request's lane."""
+        m = self.resolve(model)
+        seen.append(m.name)
+        check_model_allowed(request.state, m.name)
+        check_request_size(self.cfg, m, texts, param)
+        return m, request_lane(request, None)
+
     async def call(self, request: Request, seen: list[str], model: str | None, query: str,
                    docs: list[str], *, truncate: bool, raw: bool, param: str
                    ) -> tuple[ModelConfig, RerankResult, str]:
-        m = self.resolve(model)
-        seen.append(m.name)
-        check_model_allowed(request.state, m.name)  # the key's models= (403)
-        check_request_size(self.cfg, m, [query, *docs], param)
-        lane: Lane = request_lane(request, None)
+        """One request, one replica call, inside the model's router share (429 past it)."""
+        m, lane = self.admit(request, seen, model, [query, *docs], param)
         request_id = f"rr-{uuid.uuid4().hex[:16]}"
-        res = await self.callers[m.name](RerankCall(query, docs, request_id, m.name, truncate,
-                                                    raw, lane))
+        with self.pipeline.held(m.name, lane):
+            res = await self.callers[m.name](RerankCall(query, docs, request_id, m.name,
+                                                        truncate, raw, lane))
         return m, res, request_id
 
     def _headers(self, request_id: str, results: list[RerankResult]) -> dict[str, str]:
@@ -249,18 +257,17 @@ class RerankService:
         groups: dict[str, list[int]] = {}  # one replica call per distinct text_1
         for i, (q, _) in enumerate(pairs):
             groups.setdefault(q, []).append(i)
-        m = self.resolve(req.model)
-        check_request_size(self.cfg, m, [t for p in pairs for t in p], "text_2")
-        calls = [self.call(request, seen, m.name, q, [pairs[i][1] for i in idx],
-                           truncate=req.truncate, raw=False, param="text_2")
-                 for q, idx in groups.items()]
-        done = await asyncio.gather(*calls)
+        m, lane = self.admit(request, seen, req.model, [t for p in pairs for t in p], "text_2")
+        rid = f"rr-{uuid.uuid4().hex[:16]}"
+        calls = [RerankCall(q, [pairs[i][1] for i in idx], f"{rid}-{k}", m.name, req.truncate,
+                            False, lane) for k, (q, idx) in enumerate(groups.items())]
+        with self.pipeline.held(m.name, lane):  # one request, one share, however many calls
+            # the first call to fail cancels the others, as an embedding request's slices
+            results = await call_all(self.callers[m.name], calls)
         scores = [0.0] * len(pairs)
-        for idx, (_, res, _) in zip(groups.values(), done):
+        for idx, res in zip(groups.values(), results):
             for i, s in zip(idx, res.scores):
                 scores[i] = s
-        rid = done[0][2]
-        results = [r for _, r, _ in done]
         return json_response(score_response(rid, m.name, scores,
                                             sum(r.prompt_tokens for r in results)),
                              headers=self._headers(rid, results))

@@ -41,9 +41,11 @@ def one_model_config(**router: Any) -> EmbedfleetConfig:
 
 
 @contextlib.contextmanager
-def router_client(cfg: EmbedfleetConfig, status=None, callers=None) -> Iterator[TestClient]:
+def router_client(cfg: EmbedfleetConfig, status=None, callers=None,
+                  rerankers=None) -> Iterator[TestClient]:
     """``status``: the fleet's status (an async function), for /v1/models and /ready;
-    ``callers``: {model: caller} behind the pipeline (default: ``standin_replicas``)."""
+    ``callers``: {model: caller} behind the pipeline (default: ``standin_replicas``);
+    ``rerankers``: {model: caller} behind the rerank routes (a ``task: rerank`` model's)."""
     import ray.serve
 
     async def no_status():
@@ -54,6 +56,7 @@ def router_client(cfg: EmbedfleetConfig, status=None, callers=None) -> Iterator[
     callers = callers or {m.name: standin_replicas for m in cfg.models}
     api = ApiRoutes(cfg, EmbedPipeline(cfg, callers), status, standin_tokenize,
                     metrics.Batched())
+    api.rerank.callers.update(rerankers or {})
     app = new_api()
     mount_routes(app, Router)
     with pytest.MonkeyPatch.context() as mp:  # serve.ingress's `self` is the replica's: ours

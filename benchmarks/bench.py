@@ -4,6 +4,7 @@
     embedfleet bench --peers vllm,vllm-serve,infinity         # no cluster needed
     embedfleet bench --repeats 7 --workloads short,mixed      # more repeats, fewer workloads
     embedfleet bench --workloads short --batch 1 --concurrency 16    # ad-hoc online traffic
+    embedfleet bench --workloads rerank --peers vllm,vllm-serve,embedfleet   # issue 42's rerank
     python -m embedfleet.benchmarks.bench ...                            # the same without the CLI
 
 Peers (benchmarks/peers.py, server_peers.py, embedfleet_peer.py): `vllm` (AsyncLLM in-process, the
@@ -17,7 +18,10 @@ request, --concurrency in flight; long: one document per request), online (short
 request, 16 in flight) and router-overhead (1 text, 1 in flight: per-request latency), plus the
 prefix-cache comparison and, asked for by name, prefix-affinity (benchmarks/affinity_bench.py:
 affinity routing vs Serve's default router, on a 4-card cluster of its own) and lanes
-(benchmarks/lanes_bench.py: interactive latency under a bulk flood, on 2 replicas).
+(benchmarks/lanes_bench.py: interactive latency under a bulk flood, on 2 replicas) and rerank
+(benchmarks/rerank_bench.py: a query + 32 documents a request to /v1/rerank on a reranker - the
+tiny random-weight Qwen3 one, or --rerank-model - served by peers of its own, after the others;
+its runs count pairs as texts, so its texts/s is pairs/s and its CPU is per 1,000 pairs).
 
 Runs (benchmarks/bench_runs.py) alternate: for each repeat, for each workload, every peer in
 turn (the order rotates per repeat), so slow drift on a shared machine spreads over all peers
@@ -70,9 +74,10 @@ from .workloads import FULL, NAMES, QUICK, Workload, build
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 ALL_PEERS = ("vllm", "vllm-serve", "infinity", "embedfleet")
-ALL_WORKLOADS = (*NAMES, "prefix-cache", "prefix-affinity", "lanes")
-# Each starts a cluster of its own (benchmarks/affinity_bench.py, lanes_bench.py): asked for by name.
-BY_NAME_ONLY = ("prefix-affinity", "lanes")
+ALL_WORKLOADS = (*NAMES, "prefix-cache", "prefix-affinity", "lanes", "rerank")
+# Each starts a cluster of its own (benchmarks/affinity_bench.py, lanes_bench.py,
+# rerank_bench.py): asked for by name.
+BY_NAME_ONLY = ("prefix-affinity", "lanes", "rerank")
 DEFAULT_WORKLOADS = tuple(w for w in ALL_WORKLOADS if w not in BY_NAME_ONLY)
 DEFAULT_REPEATS = 5  # the issue's figures are medians of >= 5 alternating repeats
 
@@ -105,6 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "0,1 (VLLM_CPU_OMP_THREADS_BIND; Infinity gets the same affinity); "
                    "default: all cores this process may use")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--rerank-model", type=Path, default=None, help="reranker folder for the "
+                   "rerank workload (default: the tiny random-weight Qwen3 reranker, built on "
+                   "demand under .cache/models)")
     a = p.parse_args(argv)
     a.peer_list = _subset(p, a.peers, ALL_PEERS, "--peers")
     a.workload_list = _subset(p, a.workloads, ALL_WORKLOADS, "--workloads")
@@ -246,7 +254,7 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
     runs: list = []
     skipped: list = []
     probes: dict = {}
-    prefix_cache = prefix_affinity = lanes = encodings = None
+    prefix_cache = prefix_affinity = lanes = encodings = rerank = None
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -273,6 +281,12 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
                     await p.stop()
                 except Exception as exc:  # noqa: BLE001 - stop the others regardless
                     progress.console.print(f"[red]{p.name}: stop failed: {exc}[/red]")
+        if "rerank" in args.workload_list:  # after the peers: its own model and peers
+            from .rerank_bench import run_rerank
+
+            rerank_runs, winfo["rerank"], rerank = await run_rerank(
+                args, load_config(None), out, progress.console)
+            runs = [*runs, *rerank_runs]
         if do_pc and pc_possible:
             prefix_cache = await run_prefix_cache(
                 sizes=sizes, repeats=args.repeats, batch=args.batch,
@@ -304,13 +318,13 @@ async def run(args: argparse.Namespace, out: Path, console: Any) -> dict[str, An
                 "model": m.name, "model_path": model_path, "max_model_len": max_len,
                 "long_input_policy": m.long_input.model_copy(update={"mode": "chunk"})
                 .model_dump(),
-                "embedfleet_url": args.embedfleet_url}
+                "embedfleet_url": args.embedfleet_url, "rerank_model": args.rerank_model}
     return rpt.build_report(
         command=sys.argv, started_at=started, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         machine=machine, settings=settings, workloads=winfo,
         peers=peer_status, runs=runs, skipped=skipped, probes=probes, prefix_cache=prefix_cache,
         prefix_affinity=prefix_affinity, lanes=lanes, cpu_accounting=cpu_info,
-        encodings=encodings)
+        encodings=encodings, rerank=rerank)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ MIN_COSINE = 0.999  # vectors of one text from two peers must agree at least thi
 REPORT_KEYS = ("schema", "command", "started_at", "finished_at", "machine", "settings",
                "workloads", "peers", "runs", "skipped", "correctness", "summary", "ratios",
                "goals", "cpu_accounting", "prefix_cache", "prefix_affinity", "lanes", "ok",
-               "problems", "encodings")
+               "problems", "encodings", "rerank")
 RUN_KEYS = ("repeat", "workload", "peer", "texts", "tokens", "requests", "seconds",
             "texts_per_s", "tokens_per_s", "p50_ms", "p99_ms", "latencies_ms", "cpu_s",
             "cpu_s_per_1k", "driver_cpu_s_per_1k", "cpu", "error")
@@ -47,14 +47,15 @@ class Goal:
     metric: str  # "texts_per_s_ratio": peer / reference; "p50_overhead_ms": peer - reference
     op: str  # ">=" or "<="
     target: float
-    texts_per_request: int
+    texts_per_request: int  # for the rerank workload: (query, document) pairs per request
     concurrency: int | None = None  # None: whatever --concurrency the run used
     peer: str = "embedfleet"
     reference: str = BASELINE
 
 
 # Targets: issue 13's (online >= 1.1x `vllm serve` and >= 0.6x bare vLLM; 32 texts per request
-# >= 0.95x bare vLLM; router overhead <= 3 ms). One place to change them.
+# >= 0.95x bare vLLM; router overhead <= 3 ms) and issue 42's (rerank, a query + 32 documents a
+# request, >= 1.1x `vllm serve` in pairs/s: its runs count pairs as texts). One place to change them.
 GOALS = (
     Goal("online: embedfleet / vllm serve, texts/s", "online", "texts_per_s_ratio", ">=", 1.1,
          texts_per_request=1, concurrency=16, reference="vllm-serve"),
@@ -64,6 +65,8 @@ GOALS = (
          "texts_per_s_ratio", ">=", 0.95, texts_per_request=32),
     Goal("router overhead: p50 embedfleet - bare vLLM, 1 text, 1 in flight (ms)",
          "router-overhead", "p50_overhead_ms", "<=", 3.0, texts_per_request=1, concurrency=1),
+    Goal("rerank, query + 32 documents/request: embedfleet / vllm serve, pairs/s", "rerank",
+         "texts_per_s_ratio", ">=", 1.1, texts_per_request=32, reference="vllm-serve"),
 )
 
 
@@ -283,7 +286,8 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
                  cpu_accounting: dict[str, Any] | None = None,
                  prefix_affinity: dict[str, Any] | None = None,
                  lanes: dict[str, Any] | None = None,
-                 encodings: dict[str, Any] | None = None) -> dict[str, Any]:
+                 encodings: dict[str, Any] | None = None,
+                 rerank: dict[str, Any] | None = None) -> dict[str, Any]:
     summary = summarize(runs)
     checks = correctness(probes)
     failed_peers = [n for n, p in peers.items() if p.get("status") == "failed"]
@@ -292,6 +296,9 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
     pc_bad = bool(prefix_cache and prefix_cache.get("correctness", {}).get("ok") is False)
     pa_failed = bool(prefix_affinity and prefix_affinity["status"] == "failed")
     lanes_failed = bool(lanes and lanes["status"] == "failed")
+    rerank_bad = bool(rerank and (rerank["status"] == "failed" or any(
+        c["ok"] is False for c in rerank["correctness"]["peers"].values()) or any(
+        p.get("status") == "failed" for p in rerank["peers"].values())))
     report = {
         "schema": SCHEMA, "command": command, "started_at": started_at,
         "finished_at": finished_at, "machine": machine, "settings": settings,
@@ -303,10 +310,13 @@ def build_report(*, command: list[str], started_at: str, finished_at: str,
         "prefix_affinity": prefix_affinity,
         "lanes": lanes,
         "encodings": encodings,  # bytes per vector of each encoding (encodings_bench.py)
-        "ok": not (failed_peers or disagree or run_errors or pc_bad or pa_failed or lanes_failed),
+        "rerank": rerank,  # the rerank phase's peers and score agreement (rerank_bench.py)
+        "ok": not (failed_peers or disagree or run_errors or pc_bad or pa_failed or lanes_failed
+                   or rerank_bad),
         "problems": {"failed_peers": failed_peers, "disagreeing": disagree,
                      "run_errors": run_errors, "prefix_cache_disagrees": pc_bad,
-                     "prefix_affinity_failed": pa_failed, "lanes_failed": lanes_failed},
+                     "prefix_affinity_failed": pa_failed, "lanes_failed": lanes_failed,
+                     "rerank_failed_or_disagrees": rerank_bad},
     }
     return report
 

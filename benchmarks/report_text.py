@@ -126,6 +126,7 @@ def closing_lines(report: dict[str, Any]) -> list[str]:
     lines += affinity_lines(report.get("prefix_affinity"))
     lines += lanes_lines(report.get("lanes"))
     lines += encodings_lines(report.get("encodings"))
+    lines += rerank_lines(report.get("rerank"))
     lines += goal_lines(report.get("goals") or [])
     lines.append("result: OK" if report["ok"]
                  else f"result: PROBLEMS {json.dumps(report['problems'])}")
@@ -167,3 +168,19 @@ def lanes_lines(lanes: dict[str, Any] | None) -> list[str]:
             f"{_fmt(r['bulk_texts_per_s_mixed_over_solo'], '.2f')} (goal >= 0.5: "
             f"{'met' if met['bulk_throughput'] else 'NOT met'}); interactive refused or failed: "
             f"{r['interactive_refused_or_failed']}"]
+
+
+def rerank_lines(rr: dict[str, Any] | None) -> list[str]:
+    """The rerank workload (benchmarks/rerank_bench.py): pairs/s and CPU per 1,000 pairs."""
+    if not rr:
+        return []
+    if rr.get("status") != "ok":
+        return [f"rerank: {rr.get('status')}: {rr.get('reason')}"]
+    per_peer = "; ".join(
+        f"{p} {_fmt(s['pairs_per_s'])} pairs/s, CPU {_fmt(s['cpu_s_per_1k_pairs'], '.3f')} s "
+        f"per 1k pairs" for p, s in rr["summary"].items())
+    agree = ", ".join(f"{p} {_fmt(c['max_abs_delta'], '.1e')}"
+                      for p, c in rr["correctness"]["peers"].items())
+    return [f"rerank ({rr['model']}, medians): {per_peer or 'no successful run'}",
+            f"  scores vs {rr['correctness']['reference']}, max |Δ| (≤ "
+            f"{rr['correctness']['max_abs_delta']:g}): {agree or 'not compared'}"]

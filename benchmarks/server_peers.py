@@ -12,6 +12,7 @@ process group, logs to a file, and is never adopted when someone else left one o
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -100,12 +101,15 @@ class ServerProcess:
 
 def serve_flags(engine_kwargs: dict[str, Any]) -> list[str]:
     """vLLM CLI flags for ``AsyncEngineArgs(**engine_kwargs)``: ``foo_bar=x`` -> ``--foo-bar x``,
-    booleans as ``--foo``/``--no-foo``. Every vLLM engine argument has a flag of that shape."""
+    booleans as ``--foo``/``--no-foo``, dicts and lists (``hf_overrides``) as JSON, which is
+    what vLLM's CLI parses them from. Every vLLM engine argument has a flag of that shape."""
     flags: list[str] = []
     for key, value in engine_kwargs.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (dict, list)):
+            flags += [flag, json.dumps(value)]
         elif value is not None:
             flags += [flag, str(value)]
     return flags

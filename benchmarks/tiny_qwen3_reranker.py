@@ -1,0 +1,54 @@
+"""A tiny random-weight Qwen3-Reranker-shaped checkpoint, built on demand (no download).
+
+Qwen3-Reranker is a ``Qwen3ForCausalLM`` checkpoint whose score is p("yes") against p("no") at the
+last token; vLLM serves it as a classifier only through the hf_overrides of the reranker table
+(``engine/rerank_models.py``). This folder is the tiny Qwen3 embedder's causal LM
+(``benchmarks/tiny_qwen3.py``: same config, weights and MiniLM tokenizer, whose vocabulary has
+"yes" and "no"), without the sentence-transformers pooling files, in a folder whose name says
+``qwen3-reranker`` as the real checkpoints' names do. Reused while its files are unchanged.
+
+Here, not under tests/, because both the tests and `embedfleet bench`'s rerank workload
+(``benchmarks/rerank_bench.py``) run on it, and the benchmarks never import the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .tiny_qwen3 import TOKENIZER_FILES, build_tiny_qwen3
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = ROOT / ".cache" / "models" / "tiny-qwen3-reranker"
+COPIED = ("config.json", "generation_config.json", "model.safetensors", *TOKENIZER_FILES)
+
+
+def _contents(src: Path) -> dict[str, bytes]:
+    """The folder's files. The borrowed MiniLM (BERT) tokenizer would also return
+    ``token_type_ids``, which Qwen3's tokenizer never does: vLLM's server passes them on to the
+    engine, where ``Qwen3ForCausalLM.forward`` refuses them and the engine core dies. Declaring
+    Qwen3's input names keeps the stand-in's tokenizer to what the real one returns."""
+    out = {n: (src / n).read_bytes() for n in COPIED if (src / n).exists()}
+    tok_cfg = json.loads(out["tokenizer_config.json"])
+    tok_cfg["model_input_names"] = ["input_ids", "attention_mask"]
+    out["tokenizer_config.json"] = (json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n").encode()
+    return out
+
+
+def build_tiny_qwen3_reranker(dest: Path = DEFAULT_DIR) -> Path:
+    src = build_tiny_qwen3(ROOT / ".cache" / "models" / "tiny-qwen3")
+    dest = Path(dest)
+    files = _contents(src)
+    if dest.is_dir() and all((dest / n).exists() and (dest / n).read_bytes() == data
+                             for n, data in files.items()):
+        return dest
+    tmp = dest.with_name(f".{dest.name}.building-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for n, data in files.items():
+        (tmp / n).write_bytes(data)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest

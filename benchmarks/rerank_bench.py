@@ -119,6 +119,16 @@ class ServeReranker(HttpRerank, VllmServePeer):
 class EmbedfleetReranker(HttpRerank, EmbedfleetPeer):
     """Raw pairs: embedfleet renders its family's template itself."""
 
+    async def start(self) -> None:
+        try:
+            await super().start()
+        except RuntimeError:
+            if self.started_cluster or self.models_entry is not None:
+                raise
+            raise RuntimeError(  # a cluster of its own config answers at the URL
+                f"the cluster at {self.base_url} does not serve the reranker {self.model!r}: "
+                "stop it (`embedfleet down`) so the bench starts one that does") from None
+
 
 class InProcessReranker(VllmInProcessPeer):
     def __init__(self, template: Any, engine_kwargs: dict[str, Any]) -> None:

@@ -243,3 +243,16 @@ def test_tiny_reranker_tokenizer_returns_what_qwen3s_does(folder):
     enc = AutoTokenizer.from_pretrained(folder)("query", "document")
     assert set(enc) == {"input_ids", "attention_mask"}
     assert build_tiny_qwen3_reranker() == folder  # reused as is, not rebuilt to another place
+
+
+def test_a_running_cluster_without_the_reranker_is_named_with_the_fix(tmp_path):
+    ef = rb.EmbedfleetReranker("http://127.0.0.1:1", "tiny-qwen3-reranker", 4, SimpleNamespace(),
+                               tmp_path, None)
+
+    async def models():
+        return {"data": [{"id": "all-minilm-l6-v2"}]}
+
+    ef._models = models
+    with pytest.raises(RuntimeError, match=r"does not serve the reranker .*embedfleet down"):
+        asyncio.run(ef.start())
+    assert ef.started_cluster is False  # never starts or stops someone else's cluster

@@ -76,6 +76,14 @@ class OneCardHead(ThrowawayHead):
             self.env.pop(no_redis)
         self.env.update(HEAD_ENV_VARS)
         self.http_port, self.no_prometheus_port = free_ports(2)
+        # Its token as a file too, in a home of its own: Ray's state API (list_actors, which the
+        # registry calls inside a replica) took the token from ~/.ray/auth_token, the session
+        # cluster's on this machine, and every look at the actor table failed with
+        # InvalidAuthToken (seen in the registry's log), so the registry never saw the cards.
+        home = root / "home"
+        (home / ".ray").mkdir(parents=True)
+        (home / ".ray" / "auth_token").write_text(self.env["RAY_AUTH_TOKEN"])
+        self.env.update(HOME=str(home), RAY_AUTH_TOKEN_PATH=str(home / ".ray" / "auth_token"))
 
     def start(self) -> None:
         cmd = [RAY, "start", "--head", f"--temp-dir={self.root / 'ray'}",

@@ -227,3 +227,15 @@ def pytest_sessionfinish(session, exitstatus):
     """A background bench whose test never ran (a failure stopped the session) is stopped."""
     if BACKGROUND_BENCH.proc is not None and BACKGROUND_BENCH.proc.poll() is None:
         BACKGROUND_BENCH.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_driver_left(request):
+    """Fail a test that leaves a Ray driver connected in pytest's process: every later in-process
+    ``ray.init`` (tests/support/live_cluster.py) would raise "called ray.init twice". A unit test
+    that reached a real ``ray.init("auto")`` joined the session cluster so in CI."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(f"{request.node.nodeid} left a Ray driver connected (now shut down)")

@@ -37,6 +37,10 @@ def fake_cluster(monkeypatch):
     monkeypatch.setattr(local, "rest_deploy", lambda dashboard, cfg: deployed.append(cfg))
     monkeypatch.setattr(local, "wait_ready", lambda *a, **k: {"models": {}})
     monkeypatch.setattr(cli, "_wait_settled", lambda *a, **k: None)
+    # `deploy` reads the running cluster's cards with a real ray.init("auto"): in `make test` the
+    # session cluster is up by then, and the driver it left connected in pytest's process made
+    # every later in-process ray.init raise "called ray.init twice" (7 cluster tests in CI)
+    monkeypatch.setattr(cli, "running_cluster_cards", lambda resource: None)
     return deployed
 
 

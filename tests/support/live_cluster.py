@@ -39,8 +39,8 @@ def _actors(filters: list[tuple[str, str, str]]) -> tuple[list[Any], dict[str, s
     import ray
     from ray.util.state import list_actors
 
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
     try:
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
         node_name = {n["NodeID"]: n["NodeName"] for n in ray.nodes() if n["Alive"]}
         actors = list_actors(filters=filters, limit=10000, detail=True)
     finally:

@@ -158,6 +158,11 @@ def one_card_app():
         except (AssertionError, subprocess.TimeoutExpired):
             pass
         head.kill()
+        # the serve logs (registry, routers) outlive the head, for a failure to be read
+        logs = root / "ray" / "session_latest" / "logs" / "serve"
+        if logs.is_dir():
+            shutil.copytree(logs, Path(tempfile.gettempdir()) / "efnever-last-serve-logs",
+                            dirs_exist_ok=True)
         shutil.rmtree(root, ignore_errors=True)
 
 

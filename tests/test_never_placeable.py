@@ -255,3 +255,29 @@ def test_the_router_answers_503_with_retry_after_and_the_holder_within_a_second(
     err = r.json()["error"]
     assert err["code"] == "no_ready_replica" and "'mini-a'" in err["message"]
     assert "can never get a card" in err["message"]
+
+
+def test_a_slow_actor_table_read_never_holds_a_router_after_the_first(monkeypatch):
+    """A reading slower than a router's 5 s fetch timeout timed out every fetch for good (each
+    fetch found the last reading stale and waited for a new one): after the first reading, a
+    caller gets the last one at once while the next is read in the background."""
+    fleet, reg = Fleet(monkeypatch), registry_for(issue_config())
+    reads = []
+
+    def slow_read(snapshot):
+        reads.append(fleet.clock)
+        time.sleep(0.3)  # stands for a state-API read longer than a fetch's timeout
+        return FleetRegistry._readiness_of(reg, snapshot)
+    monkeypatch.setattr(reg, "_readiness_of", slow_read)
+
+    async def calls():
+        first = await reg.readiness()  # nothing read yet: this one waits for the reading
+        fleet.clock += 5  # the reading is stale now
+        t0 = time.monotonic()
+        again = await asyncio.wait_for(reg.readiness(), timeout=0.1)
+        assert time.monotonic() - t0 < 0.1 and again is first  # the last reading, at once
+        assert not reg._reading.done()  # and a new one under way
+        await reg._reading
+        return await reg.readiness()
+    latest = asyncio.run(calls())
+    assert latest["mini-a"].checked_at == fleet.clock and len(reads) == 2

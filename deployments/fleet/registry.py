@@ -58,7 +58,7 @@ class FleetRegistry:
         self._overrides: dict[str, Override] = (
             self._store.items(OVERRIDES, Override) if self._store is not None else {})
         self._readiness: dict[str, ModelReadiness] = {}
-        self._readiness_lock = asyncio.Lock()
+        self._reading: asyncio.Future[None] | None = None  # the actor-table read under way
         self._creating_since: dict[str, float] = {}  # deployment -> first seen creating a replica
         self._sealed_since: float | None = None  # every card first seen held for good
         if self._overrides:
@@ -114,20 +114,28 @@ class FleetRegistry:
             return {}
 
     async def readiness(self) -> dict[str, ModelReadiness]:
-        """{model: can it serve now}, at most ``READINESS_TTL_S`` old (routers' fail-fast)."""
+        """{model: can it serve now}: the last reading of Ray's actor table, refreshed in the
+        background once it is ``READINESS_TTL_S`` old (routers' fail-fast). Only the first call
+        waits for a reading: a reading slower than a router's 5 s fetch timeout (a starved
+        machine's state API) must not time out every router's fetch, forever."""
         if self.cfg is None:
             return {}
-        async with self._readiness_lock:
-            fresh = [r.checked_at for r in self._readiness.values()]
-            if not fresh or time.time() - min(fresh) >= READINESS_TTL_S:
-                snapshot = self.snapshot()
-                try:
-                    self._readiness = await asyncio.wait_for(
-                        asyncio.to_thread(self._readiness_of, snapshot), timeout=10)
-                except Exception as exc:  # no actor table: what the heartbeats say, no more
-                    logger.warning("readiness from Ray's actor table failed: %r", exc)
-                    self._readiness = self._readiness_from_records(snapshot)
-            return self._readiness
+        fresh = [r.checked_at for r in self._readiness.values()]
+        stale = not fresh or time.time() - min(fresh) >= READINESS_TTL_S
+        if stale and (self._reading is None or self._reading.done()):
+            self._reading = asyncio.ensure_future(self._read_readiness())
+        if not self._readiness and self._reading is not None:
+            await asyncio.shield(self._reading)
+        return self._readiness
+
+    async def _read_readiness(self) -> None:
+        snapshot = self.snapshot()
+        try:
+            self._readiness = await asyncio.wait_for(
+                asyncio.to_thread(self._readiness_of, snapshot), timeout=10)
+        except Exception as exc:  # no actor table: what the heartbeats say, no more
+            logger.warning("readiness from Ray's actor table failed: %r", exc)
+            self._readiness = self._readiness_from_records(snapshot)
 
     def _readiness_of(self, snapshot: dict[str, list[ReplicaDescription]]
                       ) -> dict[str, ModelReadiness]:

@@ -134,6 +134,11 @@ class ThrowawayHead:
                f"--min-worker-port={self.workers[0]}", f"--max-worker-port={self.workers[1]}",
                "--include-dashboard=false", "--num-cpus=1", "--object-store-memory=100000000",
                "--disable-usage-stats"]
+        self.ray_start(cmd)
+
+    def ray_start(self, cmd: list[str]) -> None:
+        """Run ``cmd`` (a `ray start --head`) in this head's environment, once more after a
+        startup timeout (killing what the first attempt left)."""
         for attempt in (1, 2):
             done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=180)
             if done.returncode == 0 or "timed out during startup" not in done.stderr:

@@ -61,6 +61,7 @@ class FleetRegistry:
         self._reading: asyncio.Future[None] | None = None  # the actor-table read under way
         self._creating_since: dict[str, float] = {}  # deployment -> first seen creating a replica
         self._sealed_since: float | None = None  # every card first seen held for good
+        self._held_said: bool | None = None  # the "held for good" decision last logged
         if self._overrides:
             logger.warning("prefix-cache overrides reloaded from the GCS: %s",
                            sorted(self._overrides))
@@ -176,9 +177,12 @@ class FleetRegistry:
         """{model: why it can never get a card}, for every model, once every card has been held
         for good (placement.cards_held_for_good) for SEALED_GRACE_S; {} before that."""
         assert self.cfg is not None
-        held = cards_held_for_good(counts, mins, free, total,
-                                   cluster_can_grow(resource, total)
-                                   if free < 1 and total >= 1 else True)
+        can_grow = cluster_can_grow(resource, total) if free < 1 and total >= 1 else True
+        held = cards_held_for_good(counts, mins, free, total, can_grow)
+        if (held is not None) is not self._held_said:  # the first decision, or a change
+            self._held_said = held is not None
+            logger.info("cards held for good: %s (free %g of %g %s, cluster can grow: %s, "
+                        "alive replicas %s)", held, free, total, resource, can_grow, counts)
         if held is None:
             self._sealed_since = None
             return {}

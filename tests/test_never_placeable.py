@@ -281,3 +281,28 @@ def test_a_slow_actor_table_read_never_holds_a_router_after_the_first(monkeypatc
         return await reg.readiness()
     latest = asyncio.run(calls())
     assert latest["mini-a"].checked_at == fleet.clock and len(reads) == 2
+
+
+def test_the_actor_table_is_read_from_the_replicas_own_cluster(monkeypatch):
+    """Ray's state API with no address reads the machine's latest `ray start` cluster, not the
+    caller's, when several run on one machine (a replica beside another cluster read that one's
+    actors and held a never-placeable model; tests/test_e2e_never_placeable.py beside the session
+    cluster). Both readers must name the caller's own GCS."""
+    import ray
+    import ray.util.state as state
+
+    from embedfleet.deployments.fleet import placement
+
+    asked: list[str | None] = []
+
+    def list_actors(address=None, filters=None, limit=None, **_):
+        asked.append(address)
+        return [SimpleNamespace(class_name=f"ServeReplica:app:{A}", state="ALIVE",
+                                node_id=NODE_ID, pid=7)]
+
+    monkeypatch.setattr(state, "list_actors", list_actors)
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: SimpleNamespace(gcs_address="10.0.0.9:6379"))
+    assert placement.ReplicaActors("app").alive == {A: {(NODE_ID, 7)}}
+    placement.pending_replica_actors("app")
+    assert asked == ["10.0.0.9:6379", "10.0.0.9:6379"]

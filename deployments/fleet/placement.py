@@ -16,16 +16,30 @@ from collections.abc import Mapping
 logger = logging.getLogger("embedfleet.placement")
 
 
+def own_cluster_actors(filters: list[tuple[str, str, str]]) -> list:
+    """Ray's actors matching ``filters``, from the cluster this process belongs to.
+
+    Ray's state API, given no address, takes the machine's "latest" cluster
+    (/tmp/ray/ray_current_cluster, the last `ray start` here) when several run on one machine,
+    and points this process's internal KV at it as a side effect. A replica of a second cluster
+    on the machine then read the first one's actor table and found none of its own replicas
+    (a never-placeable model was held, not refused; seen beside the test session's cluster).
+    Its own GCS address says which cluster is meant."""
+    import ray
+    from ray.util.state import list_actors
+
+    return list_actors(address=ray.get_runtime_context().gcs_address, filters=filters,
+                       limit=10000)
+
+
 def pending_replica_actors(app_name: str) -> dict[str, int]:
     """Replica actors per deployment that Ray has not placed yet (waiting for resources).
 
     Blocking (Ray's state API); an unavailable state API reports nothing rather than a guess."""
-    from ray.util.state import list_actors
-
     prefix = f"ServeReplica:{app_name}:"
     counts: dict[str, int] = {}
     try:
-        actors = list_actors(filters=[("state", "=", "PENDING_CREATION")], limit=10000)
+        actors = own_cluster_actors([("state", "=", "PENDING_CREATION")])
     except Exception as exc:
         logger.debug("Ray state API unavailable: %r", exc)
         return counts
@@ -189,12 +203,10 @@ class ReplicaActors:
     (node id, pid) of ALIVE replica actors and the number still being created."""
 
     def __init__(self, app_name: str) -> None:
-        from ray.util.state import list_actors
-
         prefix = f"ServeReplica:{app_name}:"
         self.alive: dict[str, set[tuple[str, int]]] = {}
         self.creating: dict[str, int] = {}
-        actors = list_actors(filters=[("state", "!=", "DEAD")], limit=10000)
+        actors = own_cluster_actors([("state", "!=", "DEAD")])
         for a in actors:
             if not a.class_name.startswith(prefix) or a.state not in _LIVE_STATES:
                 continue

@@ -87,6 +87,8 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
     T("runtime_context.py", "RuntimeContext.get_accelerator_ids",
       used_by="deployments/engine/platform.py: the card id Ray assigned ({'NPU': [...]})"),
     T("runtime_context.py", "RuntimeContext.get_node_id", used_by="deployments/engine/platform.py"),
+    T("runtime_context.py", "RuntimeContext.gcs_address",
+      used_by="deployments/fleet/placement.py own_cluster_actors: the state API's address"),
     T("util/__init__.py", "get_node_ip_address",
       used_by="deployments/engine/platform.py (ray.util.get_node_ip_address), cluster/local.py node_ip"),
     # -- ray.exceptions ------------------------------------------------------------------------
@@ -121,8 +123,9 @@ TOUCH_POINTS: tuple[RayTouchPoint, ...] = (
       used_by="deployments/fleet/durable.py"),
     T("experimental/internal_kv.py", "_internal_kv_list", ("prefix", "namespace"),
       used_by="deployments/fleet/durable.py"),
-    T("util/state/api.py", "list_actors", ("filters", "limit"),
-      used_by="deployments/fleet/placement.py: filters=[('state', '=', 'PENDING_CREATION')]"),
+    T("util/state/api.py", "list_actors", ("address", "filters", "limit"),
+      used_by="deployments/fleet/placement.py own_cluster_actors: address=its own GCS address, "
+              "filters=[('state', '=', 'PENDING_CREATION')]"),
     T("util/state/common.py", "ActorState", ("class_name", "state", "node_id", "pid"),
       used_by="deployments/fleet/placement.py reads a.class_name (ReplicaActors: node_id, pid)"),
     T("_private/custom_types.py", "ACTOR_STATUS",

@@ -4,6 +4,8 @@
         --faults kill-replica,kill-engine,stop-prometheus
     python -m embedfleet.benchmarks.chaos --soak --config my-cluster.yaml   # 11 min, a fault every minute
     python -m embedfleet.benchmarks.chaos --duration 30 --rps 20 --faults none  # load only
+    python -m embedfleet.benchmarks.chaos --soak --duration 3600 --faults-until 660 \
+        --config my-cluster.yaml   # 60 min: each fault once, then 49 quiet minutes for memory
 
 Faults, taken in turn on the schedule (the first after one period, as warm-up); --soak takes them
 all in this order, one a minute:
@@ -31,7 +33,9 @@ tool kills processes, so it must never be pointed at somebody else's cluster by 
 Report: requests sent / succeeded / failed by status, p50/p99 latency, and for the whole run,
 before the first fault and in each fault's window (to the next fault), what clients saw by model:
 requests, successes, status counts, client timeouts, whether every failure was a 503/429 with
-Retry-After, p50/p99; RSS of each Serve process at start and end, by role and by pid. JSON under
+Retry-After, p50/p99; RSS of each Serve process at start and end, by role and by pid; each
+process tree's RSS every --memory-every s, its growth in its first and last 10 minutes and its
+slope over the run's last half (chaos_memory; exit 1 past --max-slope MB/h). JSON under
 benchmarks/results/ (figures of record under "summary") plus a readable summary. Not part of
 `make test`.
 """
@@ -54,6 +58,7 @@ from typing import Any
 from .chaos_faults import (Cluster, fault_schedule, flood_plan, inject_faults, parse_faults)
 from .chaos_load import (MAX_CONCURRENCY, MAX_DURATION_S, MAX_REQUESTS, MAX_RPS, Tally, classify,
                          mixed_request, run_load)
+from .chaos_memory import MAX_SLOPE_MB_PER_H, sample_memory
 from .chaos_report import build_report, summary
 from .chaos_stats import Sample, by_model, memory_growth, percentile, stats
 from .chaos_targets import (ENGINE_REPLICA, FAULT_KINDS, MAX_BURST, TARGETS, burst_size,
@@ -79,13 +84,15 @@ __all__ = [
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULTS = {"duration": 60.0, "concurrency": 4, "rps": None, "fault_every": 30.0,
-            "faults": "none", "max_requests": 10_000, "connection_retries": 0}
+            "faults": "none", "max_requests": 10_000, "connection_retries": 0,
+            "memory_every": 30.0, "faults_until": None, "max_slope": MAX_SLOPE_MB_PER_H}
 SOAK = {"duration": 660.0, "concurrency": 4, "fault_every": 60.0,
         "faults": ",".join(FAULT_KINDS), "max_requests": 200_000}
 # An engine left stopped for long is a fault of its own making; past this, Serve's health
 # checks have long since replaced the replica, so a longer pause shows nothing new.
 MAX_PAUSE_S = 600
 MAX_CONNECTION_RETRIES = 5
+MAX_MEMORY_EVERY_S = 600
 
 
 # -- options (unit-tested in tests/test_chaos_tool.py) -------------------------------------------
@@ -108,7 +115,7 @@ def check_loopback(url: str) -> str:
 def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     """Flags over the --soak preset over the defaults, then the hard bounds."""
     base = {**DEFAULTS, **(SOAK if args.soak else {})}
-    opts = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
+    opts = {k: v if getattr(args, k, None) is None else getattr(args, k) for k, v in base.items()}
     if args.rps is not None:
         opts["concurrency"] = None  # open loop instead of a fixed number of workers
     opts["faults"] = list(parse_faults(opts["faults"]))
@@ -123,7 +130,11 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
                f"--pause in (0, {MAX_PAUSE_S}]"),
               (args.burst is None or 0 < args.burst <= MAX_BURST, f"--burst in 1..{MAX_BURST}"),
               (0 <= opts["connection_retries"] <= MAX_CONNECTION_RETRIES,
-               f"--connection-retries in 0..{MAX_CONNECTION_RETRIES}")]
+               f"--connection-retries in 0..{MAX_CONNECTION_RETRIES}"),
+              (0 < opts["memory_every"] <= MAX_MEMORY_EVERY_S,
+               f"--memory-every in (0, {MAX_MEMORY_EVERY_S}]"),
+              (opts["faults_until"] is None or opts["faults_until"] > 0, "--faults-until > 0"),
+              (opts["max_slope"] > 0, "--max-slope > 0")]
     for ok, rule in checks:
         if not ok:
             raise ValueError(f"out of bounds: {rule}")
@@ -163,11 +174,24 @@ async def run(opts: dict[str, Any]) -> dict[str, Any]:
         opts["request_timeout_s"] = client_timeout(cfg)
     models = opts.get("models") or _served_models(opts["url"])
     cluster = Cluster(opts["config"], random.Random(opts["seed"] + 1), cfg)
-    mem_start = await asyncio.to_thread(_safe_memory, cluster)
-    tally, log, wall = await drive(
-        opts, cluster, lambda tally, deadline: run_load(opts, models, tally, deadline))
-    mem_end = await asyncio.to_thread(_safe_memory, cluster)
-    return build_report({**opts, "models": models}, tally, wall, log, mem_start, mem_end)
+    trace: list = []
+
+    async def load_and_sample(tally, deadline):
+        # RSS of every Serve process tree through the run, for the slope over its last half.
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_memory(
+            lambda: asyncio.to_thread(_safe_memory, cluster), tally.t0, opts["memory_every"],
+            trace, stop))
+        try:
+            await run_load(opts, models, tally, deadline)
+        finally:
+            stop.set()
+            await asyncio.gather(sampler, return_exceptions=True)
+
+    tally, log, wall = await drive(opts, cluster, load_and_sample)
+    trace.append((round(wall, 1), await asyncio.to_thread(_safe_memory, cluster)))
+    return build_report({**opts, "models": models}, tally, wall, log, trace[0][1], trace[-1][1],
+                        trace=trace)
 
 
 async def drive(opts: dict[str, Any], cluster: Any, load) -> tuple[Tally, list[dict], float]:
@@ -254,6 +278,14 @@ def main(argv: list[str] | None = None) -> int:
                    "times, 0.5 s doubling, as the OpenAI SDK does by default with N=2 (default 0: "
                    "every broken connection is a failure); the steady load only, not flood-kill's "
                    "burst; the report counts the retried")
+    p.add_argument("--memory-every", type=float, help="seconds between RSS samples of every "
+                   f"Serve process tree (default {DEFAULTS['memory_every']:g})")
+    p.add_argument("--faults-until", type=float, help="no fault at or after this second: a "
+                   "quiet tail whose processes live through the run's last half, where the "
+                   "memory slope is taken (default: faults to the end)")
+    p.add_argument("--max-slope", type=float, help="exit 1 when a process tree's RSS grows "
+                   "faster than this over the run's last half, MB per hour (default "
+                   f"{MAX_SLOPE_MB_PER_H:g}: 0.72 GB over 72 hours)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report path (default benchmarks/results/chaos-<time>.json)")
     p.add_argument("--min-success-ratio", type=float,
@@ -272,10 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(report))
     print(f"report written to {out}")
     ratio = report["requests"]["success_ratio"]
+    failed = False
     if args.min_success_ratio is not None and (ratio or 0) < args.min_success_ratio:
         print(f"FAIL: success ratio {ratio} < {args.min_success_ratio}")
-        return 1
-    return 0
+        failed = True
+    if report["memory"]["verdict"]["flat"] is False:
+        print(f"FAIL: memory grows past {opts['max_slope']} MB/h over the last half: "
+              + ", ".join(report["memory"]["verdict"]["over_bound"]))
+        failed = True
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

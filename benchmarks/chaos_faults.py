@@ -33,14 +33,15 @@ def parse_faults(text: str) -> tuple[str, ...]:
     return kinds
 
 
-def fault_schedule(duration_s: float, every_s: float,
-                   faults: Iterable[str]) -> list[tuple[float, str]]:
+def fault_schedule(duration_s: float, every_s: float, faults: Iterable[str],
+                   until_s: float | None = None) -> list[tuple[float, str]]:
     """(seconds from start, kind): one fault per period, kinds in turn, none at t=0 (warm-up)
-    nor at or after the end (its effect could not be observed)."""
+    nor at or after the end (its effect could not be observed), nor at or after ``until_s``
+    (a soak's quiet tail, whose memory slope needs the processes a fault would replace)."""
     kinds = list(faults)
     if not kinds or every_s <= 0:
         return []
-    n = math.ceil(duration_s / every_s) - 1
+    n = math.ceil(min(duration_s, until_s or duration_s) / every_s) - 1
     return [(round(every_s * (i + 1), 3), kinds[i % len(kinds)]) for i in range(max(n, 0))]
 
 
@@ -207,7 +208,8 @@ async def inject_faults(opts: dict[str, Any], cluster: Cluster, t0: float, log: 
     """Inject the scheduled faults until ``done``; blocking Ray/psutil calls run in a thread so
     the load continues meanwhile. ``restarts`` collects the tasks that undo a fault later
     (restart Prometheus, resume an engine) or finish one (a flood's burst)."""
-    for at, kind in fault_schedule(opts["duration"], opts["fault_every"], opts["faults"]):
+    for at, kind in fault_schedule(opts["duration"], opts["fault_every"], opts["faults"],
+                                   opts.get("faults_until")):
         try:
             await asyncio.wait_for(done.wait(), max(0.0, t0 + at - time.monotonic()))
             return  # the load ended first (e.g. --max-requests reached)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .chaos_load import Tally
+from .chaos_memory import MAX_SLOPE_MB_PER_H, Trace, memory_lines, memory_slopes, memory_verdict
 from .chaos_stats import (by_model, fault_windows, in_window, memory_growth, ms, process_growth,
                           role_memory, stats)
 from .chaos_targets import FAULT_KINDS
@@ -28,8 +29,10 @@ def with_clients(log: list[dict[str, Any]], samples: list, wall_s: float) -> lis
 
 
 def build_report(opts: dict[str, Any], tally: Tally, wall_s: float, faults: list[dict],
-                 mem_start: list[dict], mem_end: list[dict]) -> dict[str, Any]:
-    """``mem_start``/``mem_end``: one record per Serve actor process (Cluster.memory)."""
+                 mem_start: list[dict], mem_end: list[dict],
+                 trace: Trace | None = None) -> dict[str, Any]:
+    """``mem_start``/``mem_end``: one record per Serve actor process (Cluster.memory);
+    ``trace``: such records through the run (chaos_memory), for the slopes."""
     samples = tally.samples
     outcomes = tally.outcomes
     succeeded = outcomes.get("ok", 0)
@@ -40,6 +43,8 @@ def build_report(opts: dict[str, Any], tally: Tally, wall_s: float, faults: list
     all_lat = [s.latency_s for s in samples]
     roles_start, roles_end = role_memory(mem_start), role_memory(mem_end)
     processes = process_growth(mem_start, mem_end)
+    slopes = memory_slopes(trace or [], wall_s, opts.get("memory_every") or 30.0)
+    verdict = memory_verdict(slopes, opts.get("max_slope") or MAX_SLOPE_MB_PER_H)
     return {
         "tool": "embedfleet.benchmarks.chaos", "options": opts, "wall_s": round(wall_s, 1),
         "summary": {
@@ -50,6 +55,9 @@ def build_report(opts: dict[str, Any], tally: Tally, wall_s: float, faults: list
             "p50_ms": overall["p50_ms"], "p99_ms": overall["p99_ms"],
             "memory_growth_mb_by_process": {f"{g['role']}:{pid}": g["growth_mb"]
                                             for pid, g in processes["growth"].items()},
+            "memory_slope_mb_per_h_by_process": {k: v["slope_mb_per_h"]
+                                                 for k, v in slopes.items()},
+            "memory_flat": verdict["flat"],
         },
         "requests": {"sent": tally.sent, "succeeded": succeeded,
                      "failed": sum(failed.values()), "failed_by_status": failed,
@@ -65,7 +73,10 @@ def build_report(opts: dict[str, Any], tally: Tally, wall_s: float, faults: list
         "faults": with_clients(faults, samples, wall_s),
         "memory": {"start": roles_start, "end": roles_end,
                    "growth_mb": memory_growth(roles_start, roles_end),
-                   "processes": processes},
+                   "processes": processes, "slopes": slopes, "verdict": verdict,
+                   "trace": [{"t_s": t, "tree_rss_mb": {f"{r['role']}:{r['pid']}": r["tree_rss_mb"]
+                                                        for r in records}}
+                             for t, records in trace or []]},
     }
 
 
@@ -105,4 +116,5 @@ def summary(report: dict[str, Any]) -> str:
         lines.append("  memory growth per process (own RSS, MB): "
                      + ", ".join(f"{k} {v:+}" for k, v in
                                  head["memory_growth_mb_by_process"].items()))
+    lines += memory_lines(mem["slopes"], mem["verdict"])
     return "\n".join(lines)

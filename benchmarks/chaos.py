@@ -58,7 +58,7 @@ from typing import Any
 from .chaos_faults import (Cluster, fault_schedule, flood_plan, inject_faults, parse_faults)
 from .chaos_load import (MAX_CONCURRENCY, MAX_DURATION_S, MAX_REQUESTS, MAX_RPS, Tally, classify,
                          mixed_request, run_load)
-from .chaos_memory import MAX_SLOPE_MB_PER_H, sample_memory
+from .chaos_memory import MAX_SLOPE_MB_PER_H, MEMORY_EVERY_S, sample_memory
 from .chaos_report import build_report, summary
 from .chaos_stats import Sample, by_model, memory_growth, percentile, stats
 from .chaos_targets import (ENGINE_REPLICA, FAULT_KINDS, MAX_BURST, TARGETS, burst_size,
@@ -85,7 +85,7 @@ __all__ = [
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULTS = {"duration": 60.0, "concurrency": 4, "rps": None, "fault_every": 30.0,
             "faults": "none", "max_requests": 10_000, "connection_retries": 0,
-            "memory_every": 30.0, "faults_until": None, "max_slope": MAX_SLOPE_MB_PER_H}
+            "memory_every": MEMORY_EVERY_S, "faults_until": None, "max_slope": MAX_SLOPE_MB_PER_H}
 SOAK = {"duration": 660.0, "concurrency": 4, "fault_every": 60.0,
         "faults": ",".join(FAULT_KINDS), "max_requests": 200_000}
 # An engine left stopped for long is a fault of its own making; past this, Serve's health

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 WINDOW_S = 600.0  # the issue's "first and last 10 minutes"
+MEMORY_EVERY_S = 30.0  # seconds between samples unless --memory-every says otherwise
 # A stated bound, not a measurement: at 10 MB/h a process tree grows 0.72 GB in the 72 hours
 # of the soak figure the issue cites (seed 001), a small part of a card host's memory.
 MAX_SLOPE_MB_PER_H = 10.0

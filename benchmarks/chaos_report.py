@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from .chaos_load import Tally
-from .chaos_memory import MAX_SLOPE_MB_PER_H, Trace, memory_lines, memory_slopes, memory_verdict
+from .chaos_memory import (MAX_SLOPE_MB_PER_H, MEMORY_EVERY_S, Trace, memory_lines,
+                           memory_slopes, memory_verdict)
 from .chaos_stats import (by_model, fault_windows, in_window, memory_growth, ms, process_growth,
                           role_memory, stats)
 from .chaos_targets import FAULT_KINDS
@@ -43,7 +44,7 @@ def build_report(opts: dict[str, Any], tally: Tally, wall_s: float, faults: list
     all_lat = [s.latency_s for s in samples]
     roles_start, roles_end = role_memory(mem_start), role_memory(mem_end)
     processes = process_growth(mem_start, mem_end)
-    slopes = memory_slopes(trace or [], wall_s, opts.get("memory_every") or 30.0)
+    slopes = memory_slopes(trace or [], wall_s, opts.get("memory_every") or MEMORY_EVERY_S)
     verdict = memory_verdict(slopes, opts.get("max_slope") or MAX_SLOPE_MB_PER_H)
     return {
         "tool": "embedfleet.benchmarks.chaos", "options": opts, "wall_s": round(wall_s, 1),

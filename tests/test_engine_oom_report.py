@@ -45,7 +45,7 @@ def test_an_engine_dying_in_a_step_is_reported_once_and_cuts_the_card():
             gate=gate, budget=budget, card_tags={"node": "n1", "device": "0"}, ceiling=CEILING,
             pull_limits=lambda report: gov.limits_for("n1", "0", CEILING, report),
             interval_s=5.0, sink=Sink(), cpu_card=None, model="m")
-        path.on_engine_failure = follower.engine_oom  # as the replica wires it
+        path.on_engine_failure = lambda engine: follower.engine_oom()  # no restart here
         await follower.follow()  # the first pull: the baseline
         assert budget.limits == (64, 8192)
 
@@ -55,7 +55,7 @@ def test_an_engine_dying_in_a_step_is_reported_once_and_cuts_the_card():
         await asyncio.sleep(0.05)
         engine.down.set()  # the core dies under three calls
         for call in calls:
-            with pytest.raises(EngineUnavailable):  # the router retries it elsewhere
+            with pytest.raises(EngineUnavailable):  # nothing restarts it: retried elsewhere
                 await call
         await asyncio.sleep(0.05)  # the report goes out at once, not at the next interval
         assert follower.engine_ooms == 1 and path.engine_failed

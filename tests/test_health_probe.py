@@ -77,6 +77,20 @@ def test_a_dead_engine_still_fails_at_once():
     with pytest.raises(RuntimeError, match="EngineCore died"):
         asyncio.run(r.check_health())
     assert r._healthy is False
+    assert r.restart.begun == []  # not known dead: Serve decides
+
+
+def test_an_engine_whose_core_is_gone_is_restarted_in_place_not_failed():
+    from embedfleet.deployments.engine.vllm_engine import EngineDead
+
+    class CoreGone(ProbeEngine):
+        async def embed(self, ids, request_id: str):
+            raise EngineDead("vLLM engine core is not running")
+
+    engine = CoreGone()
+    r = replica_around(engine, inflight=0)
+    asyncio.run(r.check_health())  # passes: the replica restarts the engine itself
+    assert r.restart.begun == [engine] and r._healthy is True
 
 
 def test_the_stall_bound_must_exceed_the_health_check_timeout():

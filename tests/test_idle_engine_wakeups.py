@@ -151,12 +151,15 @@ def replica_around(engine: ProbeEngine, inflight: int):
     r = object.__new__(EngineReplica)
     r.__dict__.update(
         prefix=SimpleNamespace(healthy=True, cancel=lambda: None),
+        restart=SimpleNamespace(healthy=True, cancel=lambda: None, begun=[], error=None),
+        replica_id="r1", model_cfg=SimpleNamespace(name="m"),
         path=SimpleNamespace(inflight_sequences=inflight, last_progress=0.0),
         cfg=SimpleNamespace(health_check_timeout_s=30), _healthy=True, _health_engine=None,
         _health_embedded_at=0.0, _probe=HealthProbe(stall_s=120),
         reporter=SimpleNamespace(export_state=lambda: None),
         follower=follower(engine, [0.0], Sink(), [inflight > 0]))
     r.gate = r.follower._gate
+    r.restart.begin = r.restart.begun.append
     return r
 
 

@@ -218,6 +218,8 @@ class ReplicaDescription(_Model):
     # False while an engine swap holds the replica's calls at its gate (minutes on a card): the
     # routers hold calls for it as for a replica starting, instead of cutting them.
     serving: bool = True
+    # Engines this replica restarted in place after one died (replica/engine_restart.py).
+    engine_restarts: int = 0
     max_model_len: int
     dimensions: int
     matryoshka_dimensions: list[int]
@@ -265,6 +267,7 @@ class CardStatus(_Model):
     memory: MemoryView | None
     block_size: int
     prefix_cache: PrefixCacheView
+    engine_restarts: int = 0
 
 
 class ModelStatus(_Model):

@@ -140,6 +140,9 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("embedfleet_engine_swaps_total", "counter",
                "Engine replacements after a failed canary, by outcome (ok, failed).",
                ("model", "outcome")),
+    MetricSpec("embedfleet_engine_restarts_total", "counter",
+               "Engines restarted in place after one died in a step (its calls run again on the "
+               "new one), by outcome (ok, failed).", ("model", "outcome")),
     MetricSpec("embedfleet_truncated_inputs_total", "counter",
                "Inputs truncated by the long-input policy.", ("model",)),
     MetricSpec("embedfleet_dropped_tokens_total", "counter",

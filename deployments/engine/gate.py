@@ -5,6 +5,10 @@ the card is free, and the first engine holds 0.95 of it. So replacing an engine 
 switched off after a failed canary) is: close the gate (new calls wait, bounded), drain the calls
 the old engine holds, shut it down and wait until its processes are gone (their memory with
 them), start the new one, open the gate. Calls never see a half-swapped engine.
+
+Two parts replace engines (the prefix-cache swap, and the restart of an engine that died in a
+step: ``replica/engine_restart.py``); ``replacing`` makes them take turns, so two engines are
+never built for one card at once.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class EngineGate(Generic[E]):
         self._idle.set()
         self._inflight = 0
         self.why_closed = ""
+        self.replacing = asyncio.Lock()
+        """Held by whoever is replacing the engine, from taking the old one to opening the new."""
 
     @property
     def engine(self) -> E | None:

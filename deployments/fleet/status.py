@@ -33,6 +33,7 @@ def fleet_status(cfg: EmbedfleetConfig, snapshot: dict[str, list[ReplicaDescript
             prefix_cache=first.prefix_cache if first else NO_REPLICA_YET,
             cards=[CardStatus(node=r.node, device=r.device, replica_id=r.replica_id,
                               ready=r.ready, pid=r.pid, budget=r.budget, memory=r.memory,
-                              block_size=r.block_size, prefix_cache=r.prefix_cache)
+                              block_size=r.block_size, prefix_cache=r.prefix_cache,
+                              engine_restarts=r.engine_restarts)
                    for r in replicas]))
     return FleetStatus(app=cfg.app_name, models=models)

@@ -5,6 +5,8 @@
 * ``replica.prefix_cache.PrefixCacheController`` — prefix caching's one state, the canary, the
   engine swap;
 * ``replica.limits.LimitsFollower`` — the card's memory terms and the governor's limits;
+* ``replica.engine_restart.EngineRestart`` — an engine that died in a step restarted in place,
+  after the governor's cut, with that step's calls run again on it;
 * ``replica.reporter.Reporter`` — the heartbeat to the registry, ``describe()``, state gauges;
 * ``engine.lifecycle.EngineLifecycle`` — starting and stopping engines (with their reaper).
 
@@ -38,11 +40,12 @@ from ..engine.model_facts import read_model_facts
 from ..engine.platform import (CardIdentity, card_identity, platform_facts,
                                prepare_ascend_process, prepare_cpu_process)
 from ..engine.prefix_cache_policy import resolve as resolve_prefix_cache
-from ..engine.vllm_engine import EmbeddingEngine
+from ..engine.vllm_engine import EmbeddingEngine, EngineDead
 from .health_probe import HealthProbe
 from .parts import (EngineRecipe, GovernorLink, PathActivity, RegistryLink, Rejections,
                     admission_budget, governor_band, limits_follower, prefix_cache_controller,
                     request_path, tokenize_queue)
+from .engine_restart import EngineRestart
 from .reporter import Reporter
 from .rerank_path import RerankCall, RerankPath, RerankResult
 
@@ -171,15 +174,27 @@ class EngineReplica:
         self.follower = limits_follower(m, cfg.governor, cfg.platform, card, gate=self.gate,
                                         queue=self.queue, activity=PathActivity(self.path),
                                         link=link)
-        self.path.on_engine_failure = self.follower.engine_oom  # the governor cuts the card
+        self.restart = EngineRestart(model=m.name, card_label=card.label, gate=self.gate,
+                                     build_engine=self.engines.build,
+                                     shutdown_engine=self.engines.shutdown,
+                                     prefix_caching=self._reads_cache,
+                                     apply_cut=self.follower.follow, on_change=self._engine_changed)
+        self.path.on_engine_failure = self._engine_died
         self.reporter = Reporter(replica_id=self.replica_id, card=card,
                                  platform=cfg.platform.kind, path=self.path, prefix=self.prefix,
                                  follower=self.follower, registry=self.registry.registry,
-                                 healthy=self._ready, serving=self._serving)
+                                 healthy=self._ready, serving=self._serving,
+                                 engine_restarts=lambda: self.restart.restarts)
 
     # -- what the parts ask of each other ------------------------------------------------------
     def _ready(self) -> bool:
-        return self._healthy and not self.path.engine_failed and self.prefix.healthy
+        return (self._healthy and not self.path.engine_failed and self.prefix.healthy
+                and self.restart.healthy)
+
+    def _engine_died(self, engine: EmbeddingEngine) -> None:
+        """Reported to the governor as an OOM (it cuts this card), then restarted in place."""
+        self.follower.engine_oom()
+        self.restart.begin(engine)
 
     def _serving(self) -> bool:
         return self.gate.is_open
@@ -246,9 +261,23 @@ class EngineReplica:
         """
         if not self.prefix.healthy:
             raise RuntimeError(f"engine swap gave up: {self.prefix.swap_error}")
+        if not self.restart.healthy:
+            raise RuntimeError(f"engine restart gave up: {self.restart.error}")
         engine = self.gate.engine
         if engine is None or not self.gate.is_open:
-            return  # an engine swap is under way (bounded and retried by the controller)
+            return  # an engine swap or restart is under way (bounded and retried)
+        try:
+            await self._check_engine(engine)
+        except EngineDead:
+            # The core died with no call on it (a call that meets the death restarts the engine
+            # itself, and reports it to the governor as an OOM in a step): restart it in place
+            # as well, rather than have Serve replace the replica and its calls.
+            logger.error("replica %s: the engine core of %s is gone; restarting the engine",
+                         self.replica_id, self.model_cfg.name)
+            self._healthy = True
+            self.restart.begin(engine)
+
+    async def _check_engine(self, engine: EmbeddingEngine) -> None:
         busy = self.path.inflight_sequences > 0
         if busy and time.monotonic() - engine.last_output_at < self.cfg.health_check_timeout_s:
             await engine.check_health()
@@ -282,9 +311,9 @@ class EngineReplica:
         calls ``__del__`` at shutdown and the collector may again)."""
         for task in getattr(self, "_tasks", []):
             task.cancel()
-        prefix = getattr(self, "prefix", None)
-        if prefix is not None:
-            prefix.cancel()
+        for part in (getattr(self, "prefix", None), getattr(self, "restart", None)):
+            if part is not None:
+                part.cancel()
         probe = getattr(self, "_probe", None)
         if probe is not None:
             probe.cancel()

@@ -172,6 +172,17 @@ class PrefixCacheController:
     async def _swap(self) -> None:
         self._gate.close("prefix caching is being switched off after a failed canary")
         self._set("swapping")
+        async with self._gate.replacing:  # a restart of a dead engine goes first, or after
+            engine = self._gate.engine
+            info = getattr(engine, "info", None)
+            if info is not None and getattr(info, "prefix_caching", True) is False:
+                # an engine restarted meanwhile was built with caching off (safe-mode)
+                self._gate.open(engine)
+                self._set("off")
+                return
+            await self._replace()
+
+    async def _replace(self) -> None:
         if not await self._gate.drain(DRAIN_TIMEOUT_S):
             logger.warning("%s: %d call(s) still on the old engine after %.0f s; shutting it "
                            "down anyway (they fail over to another replica)", self.model,

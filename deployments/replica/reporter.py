@@ -30,7 +30,8 @@ class Reporter:
     def __init__(self, *, replica_id: str, card: CardIdentity, platform: str,
                  path: RequestPath, prefix: PrefixCacheController, follower: LimitsFollower,
                  registry: Any, healthy: Callable[[], bool],
-                 serving: Callable[[], bool]) -> None:
+                 serving: Callable[[], bool],
+                 engine_restarts: Callable[[], int] = lambda: 0) -> None:
         self.replica_id = replica_id
         self._card = card
         self._platform = platform
@@ -40,6 +41,7 @@ class Reporter:
         self._registry = registry
         self._healthy = healthy
         self._serving = serving
+        self._engine_restarts = engine_restarts
         self._tags = {"model": path.model, "node": card.node, "device": card.device}
 
     def describe(self) -> ReplicaDescription:
@@ -49,6 +51,7 @@ class Reporter:
             replica_id=self.replica_id, model=path.model, node_id=self._card.node_id,
             node=self._card.node, node_ip=self._card.node_ip, device=self._card.device,
             pid=os.getpid(), ready=self._healthy(), serving=self._serving(),
+            engine_restarts=self._engine_restarts(),
             max_model_len=info.max_model_len,
             dimensions=info.hidden_size,
             matryoshka_dimensions=list(info.matryoshka_dimensions or []), dtype=info.dtype,

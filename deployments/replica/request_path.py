@@ -76,10 +76,12 @@ class RequestPath:
         assert engine is not None
         self.use_engine(engine)
 
-    def on_engine_failure(self) -> None:
-        """Called once when the engine dies in a step; the replica sets its own (an OOM cannot
-        be told from another death once the engine core is gone, so it reports each to the
-        memory governor, which cuts this card before its next engine gets the same load)."""
+    def on_engine_failure(self, engine: EmbeddingEngine) -> None:
+        """Called once when ``engine`` dies in a step; the replica sets its own: it reports the
+        death to the memory governor as an OOM (which cuts this card before the next engine
+        gets the same load) and restarts the engine in place (``replica/engine_restart.py``),
+        closing the gate first, so this call and the others of that step run again on the new
+        engine. Left as is (nothing restarts it), the call fails with 503 + Retry-After."""
 
     def use_engine(self, engine: EmbeddingEngine) -> None:
         """Follow the engine the gate holds (a swap replaces it); a failure of the old engine
@@ -201,16 +203,19 @@ class RequestPath:
                 except (EmbedfleetError, asyncio.CancelledError):
                     raise
                 except Exception as exc:
-                    retired = self._gate.engine is not engine  # taken by a swap under the call
-                    if retired and resends < SWAP_RESENDS:
-                        resends += 1
-                        continue  # wait at the gate for the new engine
-                    if not retired:
-                        # The engine-core process died (or hung up): the call is safe to retry
-                        # elsewhere, and the next health check makes Serve replace this replica.
-                        if not self.engine_failed:  # once per engine, not per call on it
-                            self.on_engine_failure()
+                    if self._gate.engine is engine and not self.engine_failed:
+                        # The engine-core process died (an OOM in a step cannot be told from
+                        # another death once the core is gone): once per engine, not per call.
                         self.engine_failed = True
+                        self.on_engine_failure(engine)
+                    # Taken by a swap, or being restarted after its death: the inputs are
+                    # idempotent, so the call waits at the gate and runs on the new engine.
+                    replaced = self._gate.engine is not engine or not self._gate.is_open
+                    if replaced and resends < SWAP_RESENDS:
+                        resends += 1
+                        continue
+                    # Nothing replaces it here: the call is safe to retry elsewhere, and the
+                    # next health check makes Serve replace this replica.
                     raise EngineUnavailable(f"engine of replica {self._replica_id} failed: "
                                             f"{type(exc).__name__}", retry_after_s=1) from None
             self.last_progress = time.monotonic()

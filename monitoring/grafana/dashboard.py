@@ -314,6 +314,13 @@ SECTIONS: list[tuple[str, list[dict]]] = [
                [(_counted_in("engine_swaps_total", "1h", "model, outcome"),
                  "{{model}} {{outcome}}")],
                width=6, decimals=0, thresholds=_steps(("green", None), ("orange", 1))),
+        _panel("stat", "Engine restarts by outcome (1h)",
+               "Engines restarted in place after one died in a step (an OOM on a card): the "
+               "governor cut the card and the step's calls ran again on the new engine; "
+               "failed: the new engine did not start (retried, then Serve replaces the replica).",
+               [(_counted_in("engine_restarts_total", "1h", "model, outcome"),
+                 "{{model}} {{outcome}}")],
+               width=6, decimals=0, thresholds=_steps(("green", None), ("orange", 1))),
     ]),
     ("Replicas", [
         _panel("timeseries", "Ready replicas per model", "Replicas whose engine is up and healthy.",

@@ -18,6 +18,11 @@ EMBEDFLEET = str(Path(sys.executable).with_name("embedfleet"))
 ASCEND_CONFIG = ROOT / "deployments" / "configs" / "ascend-910b-qwen3-embedding-8b.yaml"
 
 
+# `embedfleet doctor` on a real config reads the model's architecture through vLLM's model
+# registry in a fresh process (15-30 s each here): the `engine` tier, not `make test-unit`.
+VLLM_IN_A_FRESH_PROCESS = pytest.mark.engine
+
+
 def doctor(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "ASCEND_RT_VISIBLE_DEVICES"}
     if pythonpath:
@@ -52,6 +57,7 @@ def test_plugin_version_comes_from_metadata_on_an_ascend_config(tmp_path):
     assert gov["reading"] == "ok" or gov["reading"].startswith(("unavailable", "no card"))
 
 
+@VLLM_IN_A_FRESH_PROCESS
 def test_local_cpu_config_passes_with_decisions_and_rules():
     proc = doctor()
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -61,6 +67,7 @@ def test_local_cpu_config_passes_with_decisions_and_rules():
     assert "all checks passed" in out and "FAIL" not in out
 
 
+@VLLM_IN_A_FRESH_PROCESS
 def test_a_config_with_no_room_at_idle_fails_the_signal_check(tmp_path):
     cfg = tmp_path / "tight.yaml"
     cfg.write_text("platform: {kind: cpu, cpu_card_memory_bytes: 200000000}\n"
@@ -126,6 +133,7 @@ def test_doctor_shows_whether_a_card_profile_exists_and_how_old_it_is(tmp_path, 
         settings.cache_clear()
 
 
+@VLLM_IN_A_FRESH_PROCESS
 def test_doctor_json_carries_the_card_profile(tmp_path):
     env_dir = tmp_path / "state"
     proc = subprocess.run([EMBEDFLEET, "doctor", "--json"], capture_output=True, text=True,

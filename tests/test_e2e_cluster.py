@@ -78,8 +78,12 @@ def test_one_haproxy_for_the_machine(cluster):
     from embedfleet.cluster.local import local_node_name
 
     managers, node_name = actors_of_class("HAProxyManager")
-    assert [(node_name.get(a.node_id), a.state) for a in managers] == [
-        (local_node_name(0), "ALIVE")], managers
+    placed = [(node_name.get(a.node_id), a.state) for a in managers]
+    assert [p for p in placed if p[1] != "DEAD"] == [(local_node_name(0), "ALIVE")], managers
+    # Never one on the second node, and no restart loop: the bug restarted it every few
+    # seconds (22 dead in 2 minutes); on a starved machine Serve may replace it once or twice.
+    assert {node for node, _ in placed} == {local_node_name(0)}, placed
+    assert sum(state == "DEAD" for _, state in placed) <= 2, placed
 
 
 def test_a_cpu_engine_runs_its_worker_in_its_engine_core_on_its_cards_cores(cluster_status):

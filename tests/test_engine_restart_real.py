@@ -46,7 +46,7 @@ def engine_core_pid(before: set[int]) -> int:
 
 
 def test_a_killed_engine_core_is_restarted_and_its_calls_answered_like_a_cold_engine(
-        tiny_qwen3_dir):
+        tiny_qwen3_dir, monkeypatch):
     cfg = parse_config({"platform": {"kind": "cpu"}, "models": [{
         "name": "tiny", "source": {"path": str(tiny_qwen3_dir)}, "max_model_len": 2048,
         "engine": {"max_num_batched_tokens": 4096, "kv_cache_memory_bytes": 64 << 20}}]})
@@ -54,6 +54,9 @@ def test_a_killed_engine_core_is_restarted_and_its_calls_answered_like_a_cold_en
     engines = EngineLifecycle("tests.support.card_model:CardReservingEngine",
                               lambda prefix_cache: {**kwargs,
                                                     "enable_prefix_caching": prefix_cache})
+    # EngineLifecycle.build marks this process's children as engine processes (the reaper's
+    # marker, inherited); undone after the test, or later tests' children would carry it
+    monkeypatch.setenv(reaper.MARKER_ENV, str(os.getpid()))
     before = set(reaper.engine_pids())
     first = engines.build(False)
     core = engine_core_pid(before)

@@ -147,8 +147,10 @@ class InProcessReranker(VllmInProcessPeer):
         return [float(e.vector.reshape(-1)[0]) for e in out]
 
 
-def rerank_config(base: Any, folder: Path, url: str) -> Any:
-    """``base`` with one model: the reranker in ``folder``, on one card, one replica."""
+def rerank_config(base: Any, folder: Path, url: str,
+                  canary: dict[str, str] | None = None) -> Any:
+    """``base`` with one model: the reranker in ``folder``, on one card, one replica; ``canary``:
+    its ordering canary's triple (None: the shipped one, which needs trained weights)."""
     from ..deployments.config.schema import config_to_data, parse_config
 
     data = config_to_data(base)
@@ -157,7 +159,8 @@ def rerank_config(base: Any, folder: Path, url: str) -> Any:
         "max_model_len": MAX_MODEL_LEN,
         # a request is 32 pairs of up to ~400 tokens: one engine step holds a request or two
         "engine": {"max_num_batched_tokens": 8192, "kv_cache_memory_bytes": 1 << 26},
-        "replicas": {"min_replicas": 1, "max_replicas": 1}}]
+        "replicas": {"min_replicas": 1, "max_replicas": 1},
+        **({"rerank": {"canary": canary}} if canary else {})}]
     return bench_config(parse_config(data, f"rerank bench ({folder})"), url)
 
 
@@ -225,12 +228,14 @@ async def run_rerank(args: argparse.Namespace, base: Any, out: Path, console: An
     from transformers import AutoTokenizer
 
     from ..deployments.engine.rerank_models import family_for
-    from .tiny_qwen3_reranker import build_tiny_qwen3_reranker
+    from .tiny_qwen3_reranker import build_tiny_qwen3_reranker, canary_triple
 
     folder = Path(args.rerank_model) if args.rerank_model else build_tiny_qwen3_reranker()
-    cfg = rerank_config(base, folder.resolve(), args.embedfleet_url)
+    fam = family_for([folder.name.lower(), str(folder)])
+    # the built random-weight model orders only a triple fixed by its own reference scores
+    canary = None if args.rerank_model or fam is None else canary_triple(folder, fam.template)
+    cfg = rerank_config(base, folder.resolve(), args.embedfleet_url, canary)
     m = cfg.models[0]
-    fam = family_for([m.name, str(folder)])
     template = fam.template if fam else None
     wl = build_rerank(REQUESTS["quick" if args.quick else "full"], args.seed,
                       warmup=1 if args.quick else 4)

@@ -52,3 +52,45 @@ def build_tiny_qwen3_reranker(dest: Path = DEFAULT_DIR) -> Path:
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
+
+
+def reference_scores(folder: Path, token_ids: list[list[int]],
+                     tokens: tuple[str, str] = ("no", "yes")) -> list[float]:
+    """transformers' computation of the same model with the same override semantics: the causal
+    LM's logits at the last token, softmax over (false, true) tokens, p(true)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    false_id, true_id = tok.convert_tokens_to_ids(list(tokens))
+    model = Qwen3ForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in token_ids:
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            pair = torch.stack([logits[false_id], logits[true_id]])
+            out.append(float(torch.softmax(pair, dim=0)[1]))
+    return out
+
+
+# Candidates for the random-weight model's canary triple: its ordering of the shipped triple means
+# nothing (random weights), so the triple is the best and the worst of these as transformers
+# scores them, the way the e2e tests fix theirs.
+CANARY_QUERY = "What is the capital of China?"
+CANARY_DOCS = ("The capital of China is Beijing.", "Gravity is a force between two masses.",
+               "Beijing has been the capital for centuries.", "Bananas are yellow.")
+
+
+def canary_triple(folder: Path, template) -> dict[str, str]:
+    """The (query, relevant, irrelevant) triple this checkpoint orders, by transformers'
+    reference scores of the pairs rendered with the family's ``template``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = [list(x) for x in tok([template.render(CANARY_QUERY, d)
+                                 for d in CANARY_DOCS])["input_ids"]]
+    scores = reference_scores(folder, ids)
+    best = max(range(len(CANARY_DOCS)), key=lambda i: scores[i])
+    worst = min(range(len(CANARY_DOCS)), key=lambda i: scores[i])
+    return {"query": CANARY_QUERY, "relevant": CANARY_DOCS[best],
+            "irrelevant": CANARY_DOCS[worst]}

@@ -256,3 +256,25 @@ def test_a_running_cluster_without_the_reranker_is_named_with_the_fix(tmp_path):
     with pytest.raises(RuntimeError, match=r"does not serve the reranker .*embedfleet down"):
         asyncio.run(ef.start())
     assert ef.started_cluster is False  # never starts or stops someone else's cluster
+
+
+def test_the_built_reranker_gets_a_canary_triple_its_reference_orders(folder):
+    """The shipped triple needs trained weights (a random-weight model orders it by chance: a
+    bench run's replica failed its canary 0.4709 <= 0.4904 and never served); the bench fixes the
+    built model's triple from transformers' scores, as the e2e tests do."""
+    from transformers import AutoTokenizer
+
+    from embedfleet.benchmarks.tiny_qwen3_reranker import canary_triple, reference_scores
+    from embedfleet.deployments.engine.rerank_models import family_for
+
+    fam = family_for([folder.name.lower(), str(folder)])
+    triple = canary_triple(folder, fam.template)
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = [list(x) for x in tok([fam.template.render(triple["query"], triple[k])
+                                 for k in ("relevant", "irrelevant")])["input_ids"]]
+    relevant, irrelevant = reference_scores(folder, ids)
+    assert triple["relevant"] != triple["irrelevant"] and relevant > irrelevant
+    (m,) = rb.rerank_config(load_config(None), folder, "http://127.0.0.1:8000", triple).models
+    assert m.rerank.canary.model_dump() == triple
+    (plain,) = rb.rerank_config(load_config(None), folder, "http://127.0.0.1:8000").models
+    assert plain.rerank.canary is None

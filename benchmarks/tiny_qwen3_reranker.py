@@ -81,16 +81,20 @@ CANARY_DOCS = ("The capital of China is Beijing.", "Gravity is a force between t
                "Beijing has been the capital for centuries.", "Bananas are yellow.")
 
 
-def canary_triple(folder: Path, template) -> dict[str, str]:
-    """The (query, relevant, irrelevant) triple this checkpoint orders, by transformers'
-    reference scores of the pairs rendered with the family's ``template``."""
+def reference_triple(folder: Path, template, query: str = CANARY_QUERY,
+                     docs: tuple[str, ...] = CANARY_DOCS) -> tuple[list[float], dict[str, str]]:
+    """transformers' reference scores of (query, each doc) rendered with the family's
+    ``template``, and the (query, relevant, irrelevant) triple they fix: the best and the worst."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    ids = [list(x) for x in tok([template.render(CANARY_QUERY, d)
-                                 for d in CANARY_DOCS])["input_ids"]]
+    ids = [list(x) for x in tok([template.render(query, d) for d in docs])["input_ids"]]
     scores = reference_scores(folder, ids)
-    best = max(range(len(CANARY_DOCS)), key=lambda i: scores[i])
-    worst = min(range(len(CANARY_DOCS)), key=lambda i: scores[i])
-    return {"query": CANARY_QUERY, "relevant": CANARY_DOCS[best],
-            "irrelevant": CANARY_DOCS[worst]}
+    best = max(range(len(docs)), key=lambda i: scores[i])
+    worst = min(range(len(docs)), key=lambda i: scores[i])
+    return scores, {"query": query, "relevant": docs[best], "irrelevant": docs[worst]}
+
+
+def canary_triple(folder: Path, template) -> dict[str, str]:
+    """The canary triple this checkpoint orders (``reference_triple`` of the candidates)."""
+    return reference_triple(folder, template)[1]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -46,6 +48,7 @@ class HitPathStandIn:
         self.seen: set[tuple[int, ...]] = set()
         self.cold_calls = 0
         self.shut = False
+        self.info = SimpleNamespace(prefix_caching=True)  # an engine that caches prefixes
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [[b for b in t.encode()] for t in texts]

@@ -25,20 +25,19 @@ import pytest
 import requests
 import yaml
 
+from embedfleet.benchmarks.tiny_qwen3_reranker import CANARY_DOCS, CANARY_QUERY, reference_triple
 from embedfleet.deployments.config.ray_options import engine_deployment_name
 from embedfleet.deployments.engine.rerank_models import FAMILIES
 from tests.conftest import E2E_TEMPLATE, ZERO
 from tests.support.live_cluster import actors_of_class, ray_script, wait_for
-from tests.support.tiny_qwen3_reranker import build_tiny_qwen3_reranker, reference_scores
+from tests.support.tiny_qwen3_reranker import build_tiny_qwen3_reranker
 from tests.support.wrong_override import FACTORY as WRONG_FACTORY
 
 pytestmark = pytest.mark.cluster
 
 APP, WRONG_APP = "rerank-e2e", "rerank-wrong-e2e"
 RERANKER = "tiny-qwen3-reranker"
-QUERY = "What is the capital of China?"
-DOCS = ["The capital of China is Beijing.", "Gravity is a force between two masses.",
-        "Beijing has been the capital for centuries.", "Bananas are yellow."]
+QUERY, DOCS = CANARY_QUERY, list(CANARY_DOCS)
 
 # `deployments/app.py:build`'s Router app, with one engine factory for every model (argv[3]:
 # "default" or a factory path). argv[4] "wait": the app must run; "nowait": it may end
@@ -98,16 +97,7 @@ if sys.argv[1] in serve.status().applications:
 def _reference() -> tuple[list[float], dict[str, str]]:
     """Transformers' scores of DOCS, and the canary triple they fix (best and worst document),
     with the ids the engine tokenises them to (the same tokenizer, special tokens included)."""
-    from transformers import AutoTokenizer
-
-    folder = build_tiny_qwen3_reranker()
-    tok = AutoTokenizer.from_pretrained(folder)
-    template = FAMILIES[0].template
-    ids = [list(x) for x in tok([template.render(QUERY, d) for d in DOCS])["input_ids"]]
-    scores = reference_scores(folder, ids)
-    best = max(range(len(DOCS)), key=lambda i: scores[i])
-    worst = min(range(len(DOCS)), key=lambda i: scores[i])
-    return scores, {"query": QUERY, "relevant": DOCS[best], "irrelevant": DOCS[worst]}
+    return reference_triple(build_tiny_qwen3_reranker(), FAMILIES[0].template, QUERY, DOCS)
 
 
 def app_config(tmp_path, name: str, triple: dict[str, str]) -> str:

@@ -53,7 +53,6 @@ class EngineRestart:
         self._on_change = on_change
         self._sleep = sleep
         self.restarts = 0
-        self.attempts = 0
         self.error: str | None = None
         self.gave_up = False
         self._task: asyncio.Task[None] | None = None
@@ -103,23 +102,23 @@ class EngineRestart:
                            time.monotonic() - t0)
 
     async def _build_with_retries(self) -> EmbeddingEngine | None:
-        self.attempts = 0
+        attempts = 0
         while True:
-            self.attempts += 1
+            attempts += 1
             try:
                 return await asyncio.to_thread(self._build, self._prefix_caching())
             except Exception as exc:
                 self.error = f"{type(exc).__name__}: {exc}"[:500]
                 metrics.get("embedfleet_engine_restarts_total").inc(
                     1, tags={"model": self.model, "outcome": "failed"})
-                if self.attempts >= SWAP_ATTEMPTS:
+                if attempts >= SWAP_ATTEMPTS:
                     self.gave_up = True
                     logger.error("%s on %s: engine restart gave up after %d attempts: %s",
-                                 self.model, self._card, self.attempts, self.error)
+                                 self.model, self._card, attempts, self.error)
                     return None
-                wait = SWAP_BACKOFF_S[min(self.attempts, len(SWAP_BACKOFF_S)) - 1]
+                wait = SWAP_BACKOFF_S[min(attempts, len(SWAP_BACKOFF_S)) - 1]
                 logger.error("%s: engine restart attempt %d failed (%s); retrying in %.0f s",
-                             self.model, self.attempts, self.error, wait)
+                             self.model, attempts, self.error, wait)
                 await self._sleep(wait)
 
     def cancel(self) -> None:

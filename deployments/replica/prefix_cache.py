@@ -174,8 +174,7 @@ class PrefixCacheController:
         self._set("swapping")
         async with self._gate.replacing:  # a restart of a dead engine goes first, or after
             engine = self._gate.engine
-            info = getattr(engine, "info", None)
-            if info is not None and getattr(info, "prefix_caching", True) is False:
+            if engine is not None and not engine.info.prefix_caching:
                 # an engine restarted meanwhile was built with caching off (safe-mode)
                 self._gate.open(engine)
                 self._set("off")

@@ -260,8 +260,10 @@ class CheckedBudget(AdmissionBudget):
 
     violations: list[str]
 
-    def _take(self, n_seqs, n_tokens, lane, in_window):
-        adm = super()._take(n_seqs, n_tokens, lane, in_window)
+    def _take(self, n_seqs, n_tokens, lane, in_window, runs=False):
+        adm = super()._take(n_seqs, n_tokens, lane, in_window, runs)
+        if not 0 <= self._run_seqs <= self._inflight_seqs:
+            self.violations.append(f"{self._run_seqs} sequences in runs of {self._inflight_seqs}")
         seqs, toks = self._inflight_seqs, self._inflight_tokens
         within = seqs <= self._max_seqs and toks <= self._max_tokens
         alone = (seqs, toks) == (n_seqs, n_tokens)
@@ -289,8 +291,9 @@ def test_stress_random_sizes_limit_changes_and_cancellations():
             seqs = rng.randint(1, 8)
             tokens = rng.choice([rng.randint(1, 600), rng.randint(1, 600), 3000])  # some oversize
             lane = rng.choice(["interactive", "interactive", "bulk"])
+            runs = lane == "interactive" and rng.random() < 0.3  # a large call's run
             await asyncio.sleep(rng.random() * 0.05)
-            async with b.admit(seqs, tokens, lane=lane):
+            async with b.admit(seqs, tokens, lane=lane, runs=runs, follows=runs):
                 snap = b.snapshot()
                 peak[0] = max(peak[0], snap["inflight_sequences"])
                 peak[1] = max(peak[1], snap["inflight_tokens"])
@@ -317,7 +320,7 @@ def test_stress_random_sizes_limit_changes_and_cancellations():
         assert len(done) + cancelled == 400 and cancelled <= 40
         assert b.violations == []
         snap = b.snapshot()
-        assert (snap["inflight_sequences"], snap["inflight_tokens"]) == (0, 0)
+        assert (snap["inflight_sequences"], snap["inflight_tokens"], b._run_seqs) == (0, 0, 0)
         assert (snap["waiting"], snap["waiting_sequences"], snap["waiting_tokens"]) == (0, 0, 0)
         assert peak[1] > 0
     run(main())

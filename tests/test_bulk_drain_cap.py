@@ -118,6 +118,25 @@ def test_a_small_bulk_call_among_light_queries_does_not_size_the_cap():
     asyncio.run(main())
 
 
+def test_a_large_interactive_calls_runs_measure_the_card():
+    """A large interactive call goes in runs at bulk's priority (request_path._runs), admitted in
+    the interactive lane. Its runs load the card as bulk does, so they measure it: without that,
+    a replica that only ever saw large interactive calls kept the cap at its whole share, and a
+    1,024-token run of MiniLM (1-1.5 s on two cores) made every query beside it wait that long."""
+    async def main():
+        clock = Clock()
+        b = AdmissionBudget(256, 16384, bulk_max_drain_s=0.25, clock=clock)
+        async with b.admit(1, 1000, lane="interactive", runs=True):
+            clock.t += 1.0
+        async with b.admit(1, 1):  # a query: the cap holds while queries come
+            pass
+        assert b.snapshot()["drain_capacity_tokens_per_s"] == pytest.approx(1000)
+        assert b.bulk_token_cap == pytest.approx(250)
+        assert b.snapshot()["admitted_bulk_total"] == 0  # still the interactive lane's call
+
+    asyncio.run(main())
+
+
 def test_bulk_in_flight_is_capped_at_what_the_card_drains_in_the_bound():
     async def main():
         clock = Clock()

@@ -79,6 +79,7 @@ class _Waiter:
     tokens: int
     future: asyncio.Future[None]
     lane: Lane = "interactive"
+    runs: bool = False
     queued: bool = True
     admission: Admission | None = None
 
@@ -123,6 +124,7 @@ class AdmissionBudget:
         self._inflight_tokens = 0
         self._bulk_seqs = 0     # the bulk lane's part of the in-flight counts
         self._bulk_tokens = 0
+        self._run_seqs = 0      # sequences in flight in runs (bulk, large calls): DrainRate's load
         # Tokens admitted per lane since bulk last had no waiter (bulk_min_share's deficit count).
         self._window = {lane: 0 for lane in LANES}
         self._hold_ewma_s: float | None = None
@@ -156,7 +158,7 @@ class AdmissionBudget:
     # -- admission -------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def admit(self, n_seqs: int, n_tokens: int, timeout_s: float | None = None,
-                    lane: Lane = "interactive", follows: bool = False
+                    lane: Lane = "interactive", follows: bool = False, runs: bool = False
                     ) -> AsyncIterator[Admission]:
         """Hold ``n_seqs`` sequences and ``n_tokens`` tokens of the budget for the ``with`` body.
 
@@ -165,16 +167,19 @@ class AdmissionBudget:
         ``follows``: the next run of a call already admitted (a bulk or a large interactive call
         goes in runs): it waits past the waiting limits, so work done is not refused; in bulk at
         the head of the lane, in the interactive lane at its tail (queries go between runs).
+        ``runs``: a run of such a call; the drain rate (which sizes runs) measures the card while
+        runs are in flight, a large interactive call's as well as a bulk call's.
         """
-        admission = await self._acquire(n_seqs, n_tokens, timeout_s, lane, follows)
+        runs = runs or lane == "bulk"
+        admission = await self._acquire(n_seqs, n_tokens, timeout_s, lane, follows, runs)
         started = self._clock()
         try:
             yield admission
         finally:
-            self._release(n_seqs, n_tokens, lane, held_s=self._clock() - started)
+            self._release(n_seqs, n_tokens, lane, held_s=self._clock() - started, runs=runs)
 
     async def _acquire(self, n_seqs: int, n_tokens: int, timeout_s: float | None,
-                       lane: Lane, follows: bool = False) -> Admission:
+                       lane: Lane, follows: bool = False, runs: bool = False) -> Admission:
         # Wrong sizes are a bug in the caller, not the client's fault: ValueError → 500.
         if n_seqs < 1 or n_tokens < 0:
             raise ValueError(f"admit needs n_seqs >= 1 and n_tokens >= 0, got {n_seqs}, {n_tokens}")
@@ -187,13 +192,13 @@ class AdmissionBudget:
         # An interactive call overtakes waiting bulk calls, unless bulk is owed its share.
         if not ahead and self._fits(n_seqs, n_tokens, lane) and (
                 lane == "bulk" or not self._bulk_owed()):
-            return self._take(n_seqs, n_tokens, lane, in_window=bool(self._lanes["bulk"]))
+            return self._take(n_seqs, n_tokens, lane, bool(self._lanes["bulk"]), runs)
         refusal = None if follows else self._refusal(lane, timeout)
         if refusal is not None:
             raise self._reject(refusal, n_seqs, n_tokens, waited_s=0.0, ahead=ahead,
                                fallback_hold_s=1.0 if timeout <= 0 else timeout)
 
-        waiter = _Waiter(n_seqs, n_tokens, asyncio.get_running_loop().create_future(), lane)
+        waiter = _Waiter(n_seqs, n_tokens, asyncio.get_running_loop().create_future(), lane, runs)
         (self._lanes[lane].appendleft if head else self._lanes[lane].append)(waiter)
         self._waiting_seqs += n_seqs
         self._waiting_tokens += n_tokens
@@ -208,7 +213,7 @@ class AdmissionBudget:
                 # Granted in the very iteration the timer fired: the budget is ours, use it.
                 return self._granted(waiter, waited_s=self._clock() - t0)
             if granted:  # cancelled right after the grant: give it back
-                self._release(n_seqs, n_tokens, lane, held_s=None)
+                self._release(n_seqs, n_tokens, lane, held_s=None, runs=runs)
             else:
                 ahead = self._ahead_of(waiter)
                 self._dequeue(waiter)
@@ -238,8 +243,7 @@ class AdmissionBudget:
         return before if waiter.lane == "interactive" else [*self._lanes["interactive"], *before]
 
     @staticmethod
-    def _granted(waiter: _Waiter, waited_s: float) -> Admission:
-        # _wake already moved the waiter's sizes into the in-flight counters.
+    def _granted(waiter: _Waiter, waited_s: float) -> Admission:  # _wake counted it in flight
         assert waiter.admission is not None
         return dataclasses.replace(waiter.admission, waited_s=waited_s)
 
@@ -273,13 +277,15 @@ class AdmissionBudget:
 
     def _tick(self, busy: bool) -> None:  # the drain rate's clock; the cap holds till seen + RECENT
         until = None if (t := self._last_interactive_t) is None else t + INTERACTIVE_RECENT_S
-        self._drain.tick(busy, bulk=self._bulk_seqs > 0, capped_until=until)
+        self._drain.tick(busy, bulk=self._run_seqs > 0, capped_until=until)
 
-    def _take(self, n_seqs: int, n_tokens: int, lane: Lane, in_window: bool) -> Admission:
+    def _take(self, n_seqs: int, n_tokens: int, lane: Lane, in_window: bool,
+              runs: bool = False) -> Admission:
         """``in_window``: bulk had waiters when this was admitted (bulk_min_share's count)."""
         self._tick(busy=self._inflight_seqs > 0)
         self._inflight_seqs += n_seqs
         self._inflight_tokens += n_tokens
+        self._run_seqs += n_seqs if runs else 0
         if lane == "bulk":
             self._bulk_seqs += n_seqs
             self._bulk_tokens += n_tokens
@@ -333,13 +339,15 @@ class AdmissionBudget:
                 lane = "interactive"
             in_window = bool(self._lanes["bulk"])
             self._dequeue(head)
-            head.admission = self._take(head.seqs, head.tokens, lane, in_window)
+            head.admission = self._take(head.seqs, head.tokens, lane, in_window, head.runs)
             head.future.set_result(None)
 
-    def _release(self, n_seqs: int, n_tokens: int, lane: Lane, held_s: float | None) -> None:
+    def _release(self, n_seqs: int, n_tokens: int, lane: Lane, held_s: float | None,
+                 runs: bool = False) -> None:
         self._tick(busy=True)
         self._inflight_seqs -= n_seqs
         self._inflight_tokens -= n_tokens
+        self._run_seqs -= n_seqs if runs else 0
         if lane == "bulk":
             self._bulk_seqs -= n_seqs
             self._bulk_tokens -= n_tokens

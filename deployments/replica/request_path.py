@@ -164,7 +164,8 @@ class RequestPath:
         """One run admitted in the call's lane, then embedded at ``schedule``'s vLLM priority;
         with the engine that embedded it."""
         n_tokens = sum(len(p) for p in run)
-        async with self.queue.admit(len(run), n_tokens, lane=call.lane, follows=follows):
+        async with self.queue.admit(len(run), n_tokens, lane=call.lane, follows=follows,
+                                    runs=schedule == "bulk"):
             self.inflight_sequences += len(run)
             self.inflight_tokens += n_tokens
             self._rec.observe("embedfleet_engine_batch_size", len(run), self._tag)

@@ -2,9 +2,17 @@
 
 * A ~2 MB ``long_input: chunk`` text is refused with 413 within 2 s, from the body, before it is
   tokenised; while it and a large request within the bounds run, a one-text request sent every
-  0.5 s to the same one-replica model (MiniLM: minilm-zero, held up once it is warm) is always
+  0.5 s to the same one-replica model (MiniLM: minilm-zero, started afresh) is always
   answered 200, with max <= 2 s and p50 <= 0.5 s. Before, the large request ran as one oversize
   call alone on the card, and every probe waited for all of it.
+* What the runs promise holds at any machine speed: a probe waits for at most about the one run
+  in the engine when it comes (one 256-token chunk here), so its median exceeds the same probes'
+  median on the quiet card (taken right after) by less than one chunk's time (the large
+  request's time per chunk). One-chunk runs add 0.4-0.6 of it; a request sent whole adds
+  seconds. Runs of four chunks added 0.9-1.6 of it, so that smaller regression is caught only
+  some of the time. The absolute p50 is this machine's floor: on a machine so loaded that the
+  quiet probes' median is past ``QUIET_PROBE_P50_S``, that check says inconclusive (the test is
+  skipped with both medians) after every other check passed.
 * ``/tokenize`` has the same bounds: 20,000 inputs, a body past the character bound and one past
   the token bound get a 4xx within 2 s, and the replica that tokenised is not restarted.
 """
@@ -20,8 +28,13 @@ import requests
 
 from tests.texts import doc
 from tests.conftest import MINILM, ZERO
+from tests.support.live_cluster import wait_for
 
 pytestmark = pytest.mark.cluster
+
+# A quiet probe's median on this machine is ~0.03 s (ingress, replica, one engine step); past
+# three times that, the machine is too loaded for its absolute floor to say anything.
+QUIET_PROBE_P50_S = 0.1
 
 
 class Prober:
@@ -73,7 +86,12 @@ def card_replicas(cluster: str, model: str) -> set[str]:
 
 def test_a_giant_request_is_refused_at_once_and_a_large_one_never_stalls_the_card(cluster):
     # minilm-zero: MiniLM on one replica (engine steps of 8,192 tokens: limits of 32,768 tokens
-    # and 262,144 characters). Warm it first: it may be scaled to zero (cold_start_hold_s 400).
+    # and 262,144 characters). Start it afresh (cold_start_hold_s 400), and send the large request
+    # at once: Serve's autoscaler sees only samples of a replica's requests in flight, every
+    # 2.4 s and pushed every 10 s, which rarely catch a 30 ms probe; a replica already idle for
+    # a while when the test starts was scaled to zero mid-test (downscale_delay_s 8 s here).
+    wait_for(lambda: requests.get(f"{cluster}/ready", timeout=30).json()["detail"][ZERO]["state"]
+             == "scaled to zero", 180, f"{ZERO} scaled to zero", every=2)
     warm = requests.post(f"{cluster}/v1/embeddings", timeout=600,
                          json={"model": ZERO, "input": "warm up"})
     assert warm.status_code == 200, warm.text[:300]
@@ -95,14 +113,32 @@ def test_a_giant_request_is_refused_at_once_and_a_large_one_never_stalls_the_car
             "model": ZERO, "input": large, "long_input": "chunk"})
         large_s = time.monotonic() - t0
         assert r.status_code == 200, r.text[:500]
-        assert r.json()["embedfleet"]["inputs"][0]["chunks"] > 100
+        chunks = r.json()["embedfleet"]["inputs"][0]["chunks"]
+        assert chunks > 100
         time.sleep(1.0)
+    # The same probes on the quiet card, the baseline: right after the large request, whose
+    # time in flight keeps Serve from scaling the model to zero meanwhile (its samples of a
+    # few 30 ms probes read 0, and the e2e config's downscale_delay_s is 8 s).
+    with Prober(cluster, ZERO) as quiet:
+        time.sleep(4.0)
+    quiet_p50 = statistics.median(t for t, _ in quiet.results)
+    assert all(s == 200 for _, s in quiet.results), quiet.results
     assert large_s > 5, f"the large request took {large_s:.1f}s: too small to test anything"
     statuses = [s for _, s in probes.results]
     assert len(statuses) >= 10 and all(s == 200 for s in statuses), statuses
     latencies = sorted(t for t, _ in probes.results)
     assert latencies[-1] <= 2.0, latencies[-5:]
-    assert statistics.median(latencies) <= 0.5, latencies
+    p50, chunk_s = statistics.median(latencies), large_s / chunks
+    print(f"probes: p50 {p50:.3f}s (quiet {quiet_p50:.3f}s), max {latencies[-1]:.3f}s, "
+          f"n={len(latencies)}; large request {large_s:.1f}s, {chunks} chunks")
+    assert p50 - quiet_p50 <= chunk_s, (
+        f"a probe waited {p50 - quiet_p50:.3f}s more than on the quiet card, more than one "
+        f"chunk's time ({chunk_s:.3f}s): the large request's runs hold more than a chunk")
+    if quiet_p50 > QUIET_PROBE_P50_S:
+        pytest.skip(f"inconclusive for the absolute p50: the machine is loaded (a quiet probe's "
+                    f"p50 {quiet_p50:.3f}s > {QUIET_PROBE_P50_S}s; during the large request "
+                    f"{p50:.3f}s)")
+    assert p50 <= 0.5, latencies
 
 
 def test_tokenize_is_bounded_and_its_replica_survives(cluster):

@@ -23,23 +23,13 @@ import pytest
 import requests
 
 from tests.conftest import AUTOSCALE, MINILM, ZERO
-from tests.support.live_cluster import wait_for as _wait_for
+from tests.support.live_cluster import model_status, wait_for as _wait_for
 
 pytestmark = pytest.mark.cluster
 
 
 def wait_for(predicate, timeout: float, what: str):
     return _wait_for(predicate, timeout, what, every=2)
-
-
-def model_status(cluster, name: str) -> dict:
-    """The model's entry in /v1/models (ready, state, waiting, cards): polled over HTTP, because
-    each `embedfleet status` costs ~2 CPU-seconds of a Ray driver on two cores that the replicas
-    being waited for need. `embedfleet status` itself is checked once, below."""
-    r = requests.get(f"{cluster}/v1/models", timeout=30)
-    if r.status_code != 200:  # e.g. 503 while the registry restarts: poll again
-        return {"ready": None, "state": None, "waiting": "", "cards": []}
-    return next(m["replicas"] for m in r.json()["data"] if m["id"] == name)
 
 
 def ready_body(cluster) -> dict:

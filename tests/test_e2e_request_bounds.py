@@ -28,7 +28,7 @@ import requests
 
 from tests.texts import doc
 from tests.conftest import MINILM, ZERO
-from tests.support.live_cluster import wait_for
+from tests.support.live_cluster import model_status, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -90,8 +90,8 @@ def test_a_giant_request_is_refused_at_once_and_a_large_one_never_stalls_the_car
     # at once: Serve's autoscaler sees only samples of a replica's requests in flight, every
     # 2.4 s and pushed every 10 s, which rarely catch a 30 ms probe; a replica already idle for
     # a while when the test starts was scaled to zero mid-test (downscale_delay_s 8 s here).
-    wait_for(lambda: requests.get(f"{cluster}/ready", timeout=30).json()["detail"][ZERO]["state"]
-             == "scaled to zero", 180, f"{ZERO} scaled to zero", every=2)
+    wait_for(lambda: model_status(cluster, ZERO)["state"] == "scaled to zero", 180,
+             f"{ZERO} scaled to zero", every=2)
     warm = requests.post(f"{cluster}/v1/embeddings", timeout=600,
                          json={"model": ZERO, "input": "warm up"})
     assert warm.status_code == 200, warm.text[:300]
@@ -117,8 +117,7 @@ def test_a_giant_request_is_refused_at_once_and_a_large_one_never_stalls_the_car
         assert chunks > 100
         time.sleep(1.0)
     # The same probes on the quiet card, the baseline: right after the large request, whose
-    # time in flight keeps Serve from scaling the model to zero meanwhile (its samples of a
-    # few 30 ms probes read 0, and the e2e config's downscale_delay_s is 8 s).
+    # time in flight keeps Serve from scaling the model to zero meanwhile (see above).
     with Prober(cluster, ZERO) as quiet:
         time.sleep(4.0)
     quiet_p50 = statistics.median(t for t, _ in quiet.results)

@@ -1,5 +1,5 @@
-"""Helpers the end-to-end tests share: polling for a state, Ray's view of live actors, and a
-short-lived Ray driver script."""
+"""Helpers the end-to-end tests share: polling for a state, a model's state over HTTP, Ray's view
+of live actors, and a short-lived Ray driver script."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import requests
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,6 +32,16 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.5):
             return last
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last}")
+
+
+def model_status(cluster: str, name: str) -> dict:
+    """The model's entry in /v1/models (ready, state, waiting, cards): polled over HTTP, because
+    each `embedfleet status` costs ~2 CPU-seconds of a Ray driver on two cores that the replicas
+    being waited for need."""
+    r = requests.get(f"{cluster}/v1/models", timeout=30)
+    if r.status_code != 200:  # e.g. 503 while the registry restarts: poll again
+        return {"ready": None, "state": None, "waiting": "", "cards": []}
+    return next(m["replicas"] for m in r.json()["data"] if m["id"] == name)
 
 
 def _actors(filters: list[tuple[str, str, str]]) -> tuple[list[Any], dict[str, str]]:

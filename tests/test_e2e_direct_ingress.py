@@ -26,7 +26,7 @@ import requests
 import yaml
 
 from tests.conftest import E2E_TEMPLATE, MINILM
-from tests.support.live_cluster import ray_script
+from tests.support.live_cluster import ray_script, ray_script_json
 from tests.test_e2e_errors import CASES
 
 pytestmark = pytest.mark.cluster
@@ -188,7 +188,7 @@ def test_the_corpus_jobs_handle_call_reaches_the_engine_replica(direct, referenc
     import json
 
     texts = ["a corpus passage", "another passage, a little longer than the first"]
-    out = json.loads(ray_script(EMBED_BATCH, APP, MINILM, json.dumps(texts)))
+    out = ray_script_json(EMBED_BATCH, APP, MINILM, json.dumps(texts))
     got = np.array(out["vectors"], dtype=np.float32)
     assert np.min(np.sum(got * reference_embed(texts), axis=1)) >= 0.9999
     assert all(n > 2 for n in out["tokens"])  # real token counts, [CLS] and [SEP] included

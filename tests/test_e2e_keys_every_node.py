@@ -24,7 +24,7 @@ import requests
 import yaml
 
 from tests.conftest import E2E_TEMPLATE, ZERO
-from tests.support.live_cluster import actors_of_class, ray_script, wait_for
+from tests.support.live_cluster import actors_of_class, ray_script, ray_script_json, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -114,7 +114,7 @@ def keyed(cluster, tmp_path_factory):
     keys = tmp / "api-keys"
     keys.write_text(f"# the e2e key\n{KEY}\n")
     path = app_config(tmp, APP, api_keys_file=str(keys))
-    status = json.loads(ray_script(DEPLOY, path, SECOND_NODE, f"/{APP}", "wait", timeout=600))
+    status = ray_script_json(DEPLOY, path, SECOND_NODE, f"/{APP}", "wait", timeout=600)
     yield f"{cluster}/{APP}", status
     ray_script(DELETE, APP)
 
@@ -152,8 +152,8 @@ def test_a_replica_that_finds_no_keys_never_starts_and_never_serves_open(cluster
                                                                         tmp_path_factory):
     path = app_config(tmp_path_factory.mktemp("keys-missing"), MISSING, api_keys_env=UNSET_ENV)
     try:
-        status = json.loads(ray_script(DEPLOY, path, SECOND_NODE, f"/{MISSING}", "nowait",
-                                       timeout=600))
+        status = ray_script_json(DEPLOY, path, SECOND_NODE, f"/{MISSING}", "nowait",
+                                    timeout=600)
         assert status["status"] == "DEPLOY_FAILED", status
         assert UNSET_ENV in status["router_message"], status  # the replica's own reason
         # Serve goes on retrying a failed replica with backoff, so an actor may be alive in its

@@ -29,7 +29,7 @@ from embedfleet.benchmarks.tiny_qwen3_reranker import CANARY_DOCS, CANARY_QUERY,
 from embedfleet.deployments.config.ray_options import engine_deployment_name
 from embedfleet.deployments.engine.rerank_models import FAMILIES
 from tests.conftest import E2E_TEMPLATE, ZERO
-from tests.support.live_cluster import actors_of_class, ray_script, wait_for
+from tests.support.live_cluster import actors_of_class, ray_script, ray_script_json, wait_for
 from tests.support.tiny_qwen3_reranker import build_tiny_qwen3_reranker
 from tests.support.wrong_override import FACTORY as WRONG_FACTORY
 
@@ -132,7 +132,7 @@ def reference():
 def served(cluster, tmp_path_factory, reference):
     _, triple = reference
     path = app_config(tmp_path_factory.mktemp("rerank"), APP, triple)
-    status = json.loads(ray_script(DEPLOY, path, f"/{APP}", "default", "wait", timeout=1800))
+    status = ray_script_json(DEPLOY, path, f"/{APP}", "default", "wait", timeout=1800)
     assert status["status"] == "RUNNING", status
     yield f"{cluster}/{APP}"
     ray_script(DELETE, APP)
@@ -193,8 +193,8 @@ def test_a_wrong_override_fails_the_canary_and_is_not_served(served, tmp_path_fa
     _, triple = reference
     path = app_config(tmp_path_factory.mktemp("rerank-wrong"), WRONG_APP, triple)
     try:
-        status = json.loads(ray_script(DEPLOY, path, f"/{WRONG_APP}", WRONG_FACTORY, "nowait",
-                                       engine_deployment_name(RERANKER), timeout=1800))
+        status = ray_script_json(DEPLOY, path, f"/{WRONG_APP}", WRONG_FACTORY, "nowait",
+                                    engine_deployment_name(RERANKER), timeout=1800)
         assert status["status"] == "DEPLOY_FAILED", status
         assert "orders it wrong" in json.dumps(status), status
         r = _post(f"{served.rsplit('/', 1)[0]}/{WRONG_APP}/v1/rerank",

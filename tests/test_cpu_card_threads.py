@@ -23,7 +23,7 @@ def ray_worker_env(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("LD_PRELOAD", raising=False)  # restored after: the tests set it
+    monkeypatch.setenv("LD_PRELOAD", "")  # the tests set it: restored (or unset) after
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
 
 

@@ -153,7 +153,7 @@ def test_a_replica_that_finds_no_keys_never_starts_and_never_serves_open(cluster
     path = app_config(tmp_path_factory.mktemp("keys-missing"), MISSING, api_keys_env=UNSET_ENV)
     try:
         status = ray_script_json(DEPLOY, path, SECOND_NODE, f"/{MISSING}", "nowait",
-                                    timeout=600)
+                                 timeout=600)
         assert status["status"] == "DEPLOY_FAILED", status
         assert UNSET_ENV in status["router_message"], status  # the replica's own reason
         # Serve goes on retrying a failed replica with backoff, so an actor may be alive in its

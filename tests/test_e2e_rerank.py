@@ -194,7 +194,7 @@ def test_a_wrong_override_fails_the_canary_and_is_not_served(served, tmp_path_fa
     path = app_config(tmp_path_factory.mktemp("rerank-wrong"), WRONG_APP, triple)
     try:
         status = ray_script_json(DEPLOY, path, f"/{WRONG_APP}", WRONG_FACTORY, "nowait",
-                                    engine_deployment_name(RERANKER), timeout=1800)
+                                 engine_deployment_name(RERANKER), timeout=1800)
         assert status["status"] == "DEPLOY_FAILED", status
         assert "orders it wrong" in json.dumps(status), status
         r = _post(f"{served.rsplit('/', 1)[0]}/{WRONG_APP}/v1/rerank",

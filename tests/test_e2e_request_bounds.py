@@ -3,7 +3,8 @@
 * A ~2 MB ``long_input: chunk`` text is refused with 413 within 2 s, from the body, before it is
   tokenised; while it and a large request within the bounds run, a one-text request sent every
   0.5 s to the same one-replica model (MiniLM: minilm-zero, started afresh) is always
-  answered 200, with max <= 2 s and p50 <= 0.5 s. Before, the large request ran as one oversize
+  answered 200, with max <= 2 s (on a loaded machine: the slowest quiet probe plus eight of the
+  large request's chunk times) and p50 <= 0.5 s. Before, the large request ran as one oversize
   call alone on the card, and every probe waited for all of it.
 * What the runs promise holds at any machine speed: a probe waits for at most about the one run
   in the engine when it comes (one 256-token chunk here), so its median exceeds the same probes'
@@ -35,6 +36,9 @@ pytestmark = pytest.mark.cluster
 # A quiet probe's median on this machine is ~0.03 s (ingress, replica, one engine step); past
 # three times that, the machine is too loaded for its absolute floor to say anything.
 QUIET_PROBE_P50_S = 0.1
+# A probe's worst wait, in the large request's chunk times, past the slowest quiet probe: one run
+# in the engine when it comes, one just queued, and the machine's jitter.
+MAX_WAIT_CHUNKS = 8
 
 
 class Prober:
@@ -126,8 +130,13 @@ def test_a_giant_request_is_refused_at_once_and_a_large_one_never_stalls_the_car
     statuses = [s for _, s in probes.results]
     assert len(statuses) >= 10 and all(s == 200 for s in statuses), statuses
     latencies = sorted(t for t, _ in probes.results)
-    assert latencies[-1] <= 2.0, latencies[-5:]
     p50, chunk_s = statistics.median(latencies), large_s / chunks
+    # No probe waits for the large request: sent whole, one waited nearly all of it (> 5 s).
+    # 2 s on a quiet machine; a loaded one stretches every wait, and the large request's time per
+    # chunk with it, so the bound is at least the slowest quiet probe plus eight chunks' time.
+    worst = max(2.0, max(t for t, _ in quiet.results) + MAX_WAIT_CHUNKS * chunk_s)
+    assert latencies[-1] <= worst, (worst, latencies[-5:])
+    assert latencies[-1] < large_s / 2, (large_s, latencies[-5:])
     print(f"probes: p50 {p50:.3f}s (quiet {quiet_p50:.3f}s), max {latencies[-1]:.3f}s, "
           f"n={len(latencies)}; large request {large_s:.1f}s, {chunks} chunks")
     assert p50 - quiet_p50 <= chunk_s, (

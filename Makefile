@@ -77,9 +77,12 @@ test: setup reference-sources
 
 # Unit tests only: no cluster (no Ray, no port 8000), no real vLLM engine or Prometheus, no
 # network in the tests themselves (the reference sources are an install step, fetched once).
+# The unit tier shares nothing between tests (no cluster, no fixed port), so pytest-xdist spreads
+# it over one worker per core (UNIT_WORKERS=0 runs it in one process).
 UNIT_MARKERS := not cluster and not engine and not prometheus and not ascend_install
+UNIT_WORKERS ?= auto
 test-unit: setup reference-sources
-	$(PY) -m pytest -m "$(UNIT_MARKERS)" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-infinity .embedfleet .pytest_cache

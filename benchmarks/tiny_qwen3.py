@@ -145,6 +145,19 @@ def _write_weights(dst: Path) -> None:
     model.save_pretrained(dst)
 
 
+def _move_into_place(tmp: Path, dest: Path) -> None:
+    """Another process (a pytest-xdist worker) may have built ``dest`` meanwhile: its complete
+    build is kept (removing it would pull the folder from under that process's readers)."""
+    if is_built(dest):
+        return
+    shutil.rmtree(dest, ignore_errors=True)
+    try:
+        tmp.rename(dest)
+    except OSError:
+        if not is_built(dest):
+            raise
+
+
 def build_tiny_qwen3(dest: Path) -> Path:
     """Build (or reuse) the tiny Qwen3 embedding model in ``dest``; returns ``dest``."""
     dest = Path(dest)
@@ -160,8 +173,7 @@ def build_tiny_qwen3(dest: Path) -> Path:
         _write_json(tmp / "1_Pooling" / "config.json", POOLING)
         (tmp / "2_Normalize").mkdir()  # Normalize has no parameters; ST still expects the folder
         _write_json(tmp / MARKER, {"spec": _spec(), "files": _hash_files(tmp)})
-        shutil.rmtree(dest, ignore_errors=True)
-        tmp.rename(dest)
+        _move_into_place(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -41,16 +41,27 @@ def build_tiny_qwen3_reranker(dest: Path = DEFAULT_DIR) -> Path:
     src = build_tiny_qwen3(ROOT / ".cache" / "models" / "tiny-qwen3")
     dest = Path(dest)
     files = _contents(src)
-    if dest.is_dir() and all((dest / n).exists() and (dest / n).read_bytes() == data
-                             for n, data in files.items()):
+
+    def built() -> bool:
+        return dest.is_dir() and all((dest / n).exists() and (dest / n).read_bytes() == data
+                                     for n, data in files.items())
+    if built():
         return dest
     tmp = dest.with_name(f".{dest.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for n, data in files.items():
-        (tmp / n).write_bytes(data)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
+    try:
+        for n, data in files.items():
+            (tmp / n).write_bytes(data)
+        if not built():  # another process (a pytest-xdist worker) may have built it meanwhile
+            shutil.rmtree(dest, ignore_errors=True)
+            try:
+                tmp.rename(dest)
+            except OSError:
+                if not built():
+                    raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 

@@ -72,11 +72,8 @@ reference-sources: $(STAMP)
 # The tiers are pytest markers (pyproject.toml; tests/conftest.py orders them): `make test` runs
 # every tier, unit and `engine` tests first while the session cluster starts in the background,
 # then the `cluster` tests, then the Ascend install's dry-run resolves (`ascend_install`, network).
-# Two pytest-xdist workers: one runs every tier but the unit tier, in the session's order; the
-# other runs the unit tier meanwhile (tests/support/xdist_tiers.py). TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
 test: setup reference-sources
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Unit tests only: no cluster (no Ray, no port 8000), no real vLLM engine or Prometheus, no
 # network in the tests themselves (the reference sources are an install step, fetched once).

@@ -72,13 +72,8 @@ reference-sources: $(STAMP)
 # The tiers are pytest markers (pyproject.toml; tests/conftest.py orders them): `make test` runs
 # every tier, unit and `engine` tests first while the session cluster starts in the background,
 # then the `cluster` tests, then the Ascend install's dry-run resolves (`ascend_install`, network).
-# TEST_WORKERS=2: two pytest-xdist workers, one running every tier but the unit tier in the
-# session's order, the other the unit tier meanwhile (tests/support/xdist_tiers.py). Not yet the
-# default: no whole-suite run of it has been rehearsed.
-TEST_WORKERS ?= 0
-TEST_XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 test: setup reference-sources
-	$(PY) -m pytest $(TEST_XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Unit tests only: no cluster (no Ray, no port 8000), no real vLLM engine or Prometheus, no
 # network in the tests themselves (the reference sources are an install step, fetched once).

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import xdist_tiers
 from tests.support.background_bench import BACKGROUND_BENCH
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +105,6 @@ def tiny_qwen3_dir() -> Path:
 # starts): pytest_collection_modifyitems launches it in the background when any `cluster` test is
 # selected, and orders every `cluster` test after the others; the fixture waits for it.
 _CLUSTER_UP: dict[str, subprocess.Popen] = {}
-_UNIT_WORKERS_DONE: list[bool] = []  # under xdist: the other workers ended (waited for once)
 
 
 def session_order(item) -> tuple[int, int]:
@@ -131,32 +129,13 @@ def _start_cluster() -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, text=True)
 
 
-def pytest_xdist_setupnodes(config, specs):
-    """xdist's controller, before its workers start: the run id they write the serial tests'
-    ids under (tests/support/xdist_tiers.py)."""
-    if config.getoption("dist") == "loadgroup":
-        xdist_tiers.start_run()
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup`: every test but the unit tier's on one worker, in session order."""
-    if config.getoption("dist") == "loadgroup":
-        return xdist_tiers.SerialGroupScheduling(config, log, TEST_STATE)
-    return None
-
-
 @pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: start no cluster nobody uses
 def pytest_collection_modifyitems(session, config, items):
     items.sort(key=session_order)  # stable: collection order within a tier
-    if xdist_tiers.worker(config) is not None:
-        xdist_tiers.write_serial(TEST_STATE, items)
     cluster = [i for i in items if i.get_closest_marker("cluster")]
     # Not for --collect-only: nothing runs, and a cluster started then outlives the command (one
-    # did, and the next session joined its Ray head and met its Prometheus on :9090). Under
-    # xdist every worker collects every test: the worker that runs the serial group starts it,
-    # at that group's first test (pytest_runtest_setup).
-    if (cluster and "up" not in _CLUSTER_UP and not config.option.collectonly
-            and xdist_tiers.worker(config) is None):
+    # did, and the next session joined its Ray head and met its Prometheus on :9090).
+    if cluster and "up" not in _CLUSTER_UP and not config.option.collectonly:
         _CLUSTER_UP["up"] = _start_cluster()
     BACKGROUND_BENCH.wanted = any(i.nodeid.split("/")[-1].startswith(BACKGROUND_BENCH.test_file)
                                   for i in items)
@@ -174,13 +153,6 @@ BESIDE_BENCH = ("test_e2e_autoscaling.py", "test_e2e_cluster.py")
 def pytest_runtest_setup(item):
     bench, name = BACKGROUND_BENCH, item.nodeid.split("/")[-1]
     is_cluster = item.get_closest_marker("cluster") is not None
-    if xdist_tiers.worker(item.config) is not None and not xdist_tiers.is_unit(item):
-        if "up" not in _CLUSTER_UP and any(i.get_closest_marker("cluster")
-                                           for i in item.session.items):
-            _CLUSTER_UP["up"] = _start_cluster()
-        if is_cluster and not _UNIT_WORKERS_DONE:
-            xdist_tiers.wait_for_other_workers(item.config, TEST_STATE)
-            _UNIT_WORKERS_DONE.append(True)
     if (bench.proc is not None and is_cluster and not name.startswith(BESIDE_BENCH)
             and not name.startswith(bench.test_file)):
         bench.wait()
@@ -252,11 +224,9 @@ def minilm_tokenizer(minilm_path):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """A background bench whose test never ran (a failure stopped the session) is stopped; an
-    xdist worker says it ended (the serial worker's cluster tests wait for the others)."""
+    """A background bench whose test never ran (a failure stopped the session) is stopped."""
     if BACKGROUND_BENCH.proc is not None and BACKGROUND_BENCH.proc.poll() is None:
         BACKGROUND_BENCH.stop()
-    xdist_tiers.mark_done(session.config, TEST_STATE)
 
 
 @pytest.fixture(autouse=True)

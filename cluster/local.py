@@ -79,9 +79,14 @@ def start_head(cards: int, resource: str = "NPU", nodes: int = 1,
     _ray_start(cmd, env)
     for i in range(1, nodes):
         # Port 0 = any free port: the head's dashboard agent already holds the default one.
+        # No log monitor: every node on this machine writes to the head's session log folder,
+        # which the head's monitor already reads. A second one read the same files again (each
+        # line sent to drivers twice) and cost as much CPU as the first, growing with the
+        # session's log files (Ray's help: one log monitor per physical host).
         _ray_start([RAY, "start", f"--address={address}", f"--node-name={local_node_name(i)}",
                     f"--resources={json.dumps({resource: per_node})}",
-                    "--dashboard-agent-listen-port=0", "--disable-usage-stats"], env)
+                    "--dashboard-agent-listen-port=0", "--include-log-monitor=False",
+                    "--disable-usage-stats"], env)
     shape = f"{nodes} nodes x {per_node}" if nodes > 1 else str(cards)
     print(f"started a Ray cluster at {address} with {shape} logical {resource} card(s)")
     return address

@@ -155,3 +155,17 @@ def test_the_local_head_keeps_its_ip_as_its_node_name(monkeypatch):
     assert not any(a.startswith("--node-name") for a in head)
     assert "--node-name=local-node-1" in worker
     assert local.local_node_name(0) == "192.0.2.2"
+
+
+def test_one_log_monitor_for_the_machine(monkeypatch):
+    """The local nodes share the head's session log folder: only the head runs Ray's log
+    monitor (a second read every file again, and sent each line to drivers twice)."""
+    started: list[list[str]] = []
+    monkeypatch.setattr(local, "ray_running", lambda address: False)
+    monkeypatch.setattr(local, "_ray_start", lambda cmd, env: started.append(cmd))
+    monkeypatch.setattr(local, "node_ip", lambda: "192.0.2.2")
+    local.start_head(6, nodes=3)
+    head, *workers = started
+    assert not any(a.startswith("--include-log-monitor") for a in head)
+    assert len(workers) == 2
+    assert all("--include-log-monitor=False" in w for w in workers)

@@ -142,7 +142,8 @@ class MonitoringConfig(_Strict):
     npu_exporter_targets: list[str] = Field(
         default_factory=list, description="host:port of Ascend npu-exporters to scrape.")
     scrape_interval_s: PositiveInt | None = Field(
-        default=None, description="Override of the shipped scrape interval (tests use 1 s).")
+        default=None, description="Override of the shipped scrape interval (5 s; Ray exports "
+        "replica metrics every 10 s, so a shorter one reads the same values again).")
 
 
 class ModelConfig(_Strict):

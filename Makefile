@@ -67,20 +67,29 @@ down: $(STAMP)
 reference-sources: $(STAMP)
 	$(PY) -m tests.support.reference_sources
 
-# No bench-setup here: the suite's bench smoke runs the vllm, vllm-serve and embedfleet peers;
-# Infinity's venv is for `embedfleet bench` (make bench-setup).
-# The tiers are pytest markers (pyproject.toml; tests/conftest.py orders them): `make test` runs
-# every tier, unit and `engine` tests first while the session cluster starts in the background,
-# then the `cluster` tests, then the Ascend install's dry-run resolves (`ascend_install`, network).
-test: setup reference-sources
-	$(PY) -m pytest $(PYTEST_ARGS)
-
 # Unit tests only: no cluster (no Ray, no port 8000), no real vLLM engine or Prometheus, no
 # network in the tests themselves (the reference sources are an install step, fetched once).
 # The unit tier shares nothing between tests (no cluster, no fixed port), so pytest-xdist spreads
 # it over one worker per core (UNIT_WORKERS=0 runs it in one process).
 UNIT_MARKERS := not cluster and not engine and not prometheus and not ascend_install
 UNIT_WORKERS ?= auto
+
+# No bench-setup here: the suite's bench smoke runs the vllm, vllm-serve and embedfleet peers;
+# Infinity's venv is for `embedfleet bench` (make bench-setup).
+# The tiers are pytest markers (pyproject.toml; tests/conftest.py orders them). `make test` runs
+# every tier in two pytest runs: the unit tier first on xdist workers, with no cluster yet (an
+# idle session cluster costs over half a core here); then one process for the rest, the `engine`
+# and `prometheus` tests while the session cluster starts in the background, the `cluster` tests,
+# and the Ascend install's dry-run resolves (`ascend_install`, network). With PYTEST_ARGS (a file,
+# `-k`, `-m`) it is one process over what they select, in the same tier order.
+test: setup reference-sources
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(PY) -m pytest -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS)
+	$(PY) -m pytest -m "not ($(UNIT_MARKERS))"
+else
+	$(PY) -m pytest $(PYTEST_ARGS)
+endif
+
 test-unit: setup reference-sources
 	$(PY) -m pytest -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS) $(PYTEST_ARGS)
 

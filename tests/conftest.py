@@ -101,18 +101,20 @@ def tiny_qwen3_dir() -> Path:
     return build_tiny_qwen3_model()
 
 
-# The session cluster starts while the unit tests run (`embedfleet up` is minutes of engine
-# starts): pytest_collection_modifyitems launches it in the background when any `cluster` test is
+# The session cluster starts while the tests before the `cluster` tier run (`make test`: the
+# engine and Prometheus tiers; `embedfleet up` is minutes of engine starts):
+# pytest_collection_modifyitems launches it in the background when any `cluster` test is
 # selected, and orders every `cluster` test after the others; the fixture waits for it.
 _CLUSTER_UP: dict[str, subprocess.Popen] = {}
 
 
 def session_order(item) -> tuple[int, int]:
-    """Where a test runs: the tiers by marker, never by file name. Unmarked tests first (unit
-    tests, then `cluster` tests, so the cluster starts while the unit tests run), then the
-    `late(n)` ones in increasing n, whatever their tier: tests that read work started earlier in
-    the session (the bench smoke's background run, the dashboard's events, the Ascend dry-run
-    resolves started at the session's start) run after it, so the work overlaps the rest."""
+    """Where a test runs: the tiers by marker, never by file name. Tests not marked `cluster`
+    first (unit, engine, Prometheus), then `cluster` tests, so the cluster starts while the
+    others run; then the `late(n)` ones in increasing n, whatever their tier: tests that read
+    work started earlier in the session (the bench smoke's background run, the dashboard's
+    events, the Ascend dry-run resolves started at the session's start) run after it, so the
+    work overlaps the rest."""
     late = item.get_closest_marker("late")
     return ((late.args[0] if late.args else 1) if late else 0, 1 if item.get_closest_marker("cluster") else 0)
 

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,16 +146,17 @@ def _write_weights(dst: Path) -> None:
     model.save_pretrained(dst)
 
 
-def _move_into_place(tmp: Path, dest: Path) -> None:
-    """Another process (a pytest-xdist worker) may have built ``dest`` meanwhile: its complete
-    build is kept (removing it would pull the folder from under that process's readers)."""
-    if is_built(dest):
+def move_into_place(tmp: Path, dest: Path, built: Callable[[Path], bool]) -> None:
+    """Rename the finished build ``tmp`` to ``dest``. Another process (a pytest-xdist worker)
+    may have built ``dest`` meanwhile (``built(dest)``): its complete build is kept, since
+    removing it would pull the folder from under that process's readers."""
+    if built(dest):
         return
     shutil.rmtree(dest, ignore_errors=True)
     try:
         tmp.rename(dest)
     except OSError:
-        if not is_built(dest):
+        if not built(dest):
             raise
 
 
@@ -173,7 +175,7 @@ def build_tiny_qwen3(dest: Path) -> Path:
         _write_json(tmp / "1_Pooling" / "config.json", POOLING)
         (tmp / "2_Normalize").mkdir()  # Normalize has no parameters; ST still expects the folder
         _write_json(tmp / MARKER, {"spec": _spec(), "files": _hash_files(tmp)})
-        _move_into_place(tmp, dest)
+        move_into_place(tmp, dest, is_built)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .tiny_qwen3 import TOKENIZER_FILES, build_tiny_qwen3
+from .tiny_qwen3 import TOKENIZER_FILES, build_tiny_qwen3, move_into_place
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = ROOT / ".cache" / "models" / "tiny-qwen3-reranker"
@@ -42,10 +42,10 @@ def build_tiny_qwen3_reranker(dest: Path = DEFAULT_DIR) -> Path:
     dest = Path(dest)
     files = _contents(src)
 
-    def built() -> bool:
-        return dest.is_dir() and all((dest / n).exists() and (dest / n).read_bytes() == data
-                                     for n, data in files.items())
-    if built():
+    def built(folder: Path) -> bool:
+        return folder.is_dir() and all((folder / n).exists() and (folder / n).read_bytes() == data
+                                       for n, data in files.items())
+    if built(dest):
         return dest
     tmp = dest.with_name(f".{dest.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -53,13 +53,7 @@ def build_tiny_qwen3_reranker(dest: Path = DEFAULT_DIR) -> Path:
     try:
         for n, data in files.items():
             (tmp / n).write_bytes(data)
-        if not built():  # another process (a pytest-xdist worker) may have built it meanwhile
-            shutil.rmtree(dest, ignore_errors=True)
-            try:
-                tmp.rename(dest)
-            except OSError:
-                if not built():
-                    raise
+        move_into_place(tmp, dest, built)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

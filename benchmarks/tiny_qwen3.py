@@ -146,39 +146,44 @@ def _write_weights(dst: Path) -> None:
     model.save_pretrained(dst)
 
 
-def move_into_place(tmp: Path, dest: Path, built: Callable[[Path], bool]) -> None:
-    """Rename the finished build ``tmp`` to ``dest``. Another process (a pytest-xdist worker)
-    may have built ``dest`` meanwhile (``built(dest)``): its complete build is kept, since
-    removing it would pull the folder from under that process's readers."""
-    if built(dest):
-        return
-    shutil.rmtree(dest, ignore_errors=True)
-    try:
-        tmp.rename(dest)
-    except OSError:
-        if not built(dest):
-            raise
-
-
-def build_tiny_qwen3(dest: Path) -> Path:
-    """Build (or reuse) the tiny Qwen3 embedding model in ``dest``; returns ``dest``."""
+def build_in_place(dest: Path, built: Callable[[Path], bool],
+                   write: Callable[[Path], None]) -> Path:
+    """``dest`` as ``built`` accepts it: reused, or ``write`` fills a private folder that is
+    then renamed to ``dest``. Another process (a pytest-xdist worker) may finish the same build
+    meanwhile: its complete build is kept, since removing it would pull the folder from under
+    that process's readers; a partial one is replaced."""
     dest = Path(dest)
-    if is_built(dest):
+    if built(dest):
         return dest
     tmp = dest.with_name(f".{dest.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write_weights(tmp)
-        _copy_tokenizer(_minilm_dir(), tmp)
-        _write_json(tmp / "modules.json", MODULES)
-        _write_json(tmp / "1_Pooling" / "config.json", POOLING)
-        (tmp / "2_Normalize").mkdir()  # Normalize has no parameters; ST still expects the folder
-        _write_json(tmp / MARKER, {"spec": _spec(), "files": _hash_files(tmp)})
-        move_into_place(tmp, dest, is_built)
+        write(tmp)
+        if not built(dest):
+            shutil.rmtree(dest, ignore_errors=True)
+            try:
+                tmp.rename(dest)
+            except OSError:
+                if not built(dest):
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _write_model(tmp: Path) -> None:
+    _write_weights(tmp)
+    _copy_tokenizer(_minilm_dir(), tmp)
+    _write_json(tmp / "modules.json", MODULES)
+    _write_json(tmp / "1_Pooling" / "config.json", POOLING)
+    (tmp / "2_Normalize").mkdir()  # Normalize has no parameters; ST still expects the folder
+    _write_json(tmp / MARKER, {"spec": _spec(), "files": _hash_files(tmp)})
+
+
+def build_tiny_qwen3(dest: Path) -> Path:
+    """Build (or reuse) the tiny Qwen3 embedding model in ``dest``; returns ``dest``."""
+    return build_in_place(dest, is_built, _write_model)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,9 @@ Here, not under tests/, because both the tests and `embedfleet bench`'s rerank w
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
-from .tiny_qwen3 import TOKENIZER_FILES, build_tiny_qwen3, move_into_place
+from .tiny_qwen3 import TOKENIZER_FILES, build_in_place, build_tiny_qwen3
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = ROOT / ".cache" / "models" / "tiny-qwen3-reranker"
@@ -39,24 +37,16 @@ def _contents(src: Path) -> dict[str, bytes]:
 
 def build_tiny_qwen3_reranker(dest: Path = DEFAULT_DIR) -> Path:
     src = build_tiny_qwen3(ROOT / ".cache" / "models" / "tiny-qwen3")
-    dest = Path(dest)
     files = _contents(src)
 
     def built(folder: Path) -> bool:
         return folder.is_dir() and all((folder / n).exists() and (folder / n).read_bytes() == data
                                        for n, data in files.items())
-    if built(dest):
-        return dest
-    tmp = dest.with_name(f".{dest.name}.building-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+
+    def write(tmp: Path) -> None:
         for n, data in files.items():
             (tmp / n).write_bytes(data)
-        move_into_place(tmp, dest, built)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    return build_in_place(dest, built, write)
 
 
 def reference_scores(folder: Path, token_ids: list[list[int]],

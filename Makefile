@@ -73,6 +73,7 @@ reference-sources: $(STAMP)
 # it over one worker per core (UNIT_WORKERS=0 runs it in one process).
 UNIT_MARKERS := not cluster and not engine and not prometheus and not ascend_install
 UNIT_WORKERS ?= auto
+UNIT_PYTEST = $(PY) -m pytest -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS)
 
 # No bench-setup here: the suite's bench smoke runs the vllm, vllm-serve and embedfleet peers;
 # Infinity's venv is for `embedfleet bench` (make bench-setup).
@@ -84,14 +85,14 @@ UNIT_WORKERS ?= auto
 # `-k`, `-m`) it is one process over what they select, in the same tier order.
 test: setup reference-sources
 ifeq ($(strip $(PYTEST_ARGS)),)
-	$(PY) -m pytest -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS)
+	$(UNIT_PYTEST)
 	$(PY) -m pytest -m "not ($(UNIT_MARKERS))"
 else
 	$(PY) -m pytest $(PYTEST_ARGS)
 endif
 
 test-unit: setup reference-sources
-	$(PY) -m pytest -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS) $(PYTEST_ARGS)
+	$(UNIT_PYTEST) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-infinity .embedfleet .pytest_cache

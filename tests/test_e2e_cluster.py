@@ -81,26 +81,27 @@ def test_one_haproxy_for_the_machine(cluster):
     managers on local-node-1 within 2 minutes here, 314 restarts in one CI run."""
     from embedfleet.cluster.local import local_node_name
 
+    head = local_node_name(0)
+
     def placed() -> list[tuple[str | None, str]]:
         managers, node_name = actors_of_class("HAProxyManager")
         return [(node_name.get(a.node_id), a.state) for a in managers]
 
-    def one_alive_on_the_head() -> list[tuple[str | None, str]] | None:
-        now = placed()
-        alive = [p for p in now if p[1] != "DEAD"]
-        return now if alive == [(local_node_name(0), "ALIVE")] else None
+    def one_alive_on_the_head(now: list[tuple[str | None, str]]) -> bool:
+        return [p for p in now if p[1] != "DEAD"] == [(head, "ALIVE")]
 
     # a replacement in progress (one DEAD, its successor starting) settles within a minute
-    before = wait_for(one_alive_on_the_head, 60, "one ALIVE HAProxy manager, on the head")
+    before = wait_for(lambda: now if one_alive_on_the_head(now := placed()) else None, 60,
+                      "one ALIVE HAProxy manager, on the head")
     # Never one on the second node, and no restart loop. The bug replaced the manager every few
     # seconds (22 dead in 2 minutes), so a loop adds dead managers within OBSERVE_S; a count
     # alone is not the test, since on a starved machine Serve may have replaced it a few times
     # since the cluster started.
-    assert {node for node, _ in before} == {local_node_name(0)}, before
+    assert {node for node, _ in before} == {head}, before
     time.sleep(OBSERVE_S)
     after = placed()
-    assert [p for p in after if p[1] != "DEAD"] == [(local_node_name(0), "ALIVE")], after
-    assert {node for node, _ in after} == {local_node_name(0)}, after
+    assert one_alive_on_the_head(after), after
+    assert {node for node, _ in after} == {head}, after
     assert len(after) == len(before), (before, after)
 
 

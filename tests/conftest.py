@@ -108,15 +108,19 @@ def tiny_qwen3_dir() -> Path:
 _CLUSTER_UP: dict[str, subprocess.Popen] = {}
 
 
-def session_order(item) -> tuple[int, int]:
+def session_order(item) -> tuple[int, int, int]:
     """Where a test runs: the tiers by marker, never by file name. Tests not marked `cluster`
     first (unit, engine, Prometheus), then `cluster` tests, so the cluster starts while the
     others run; then the `late(n)` ones in increasing n, whatever their tier: tests that read
     work started earlier in the session (the bench smoke's background run, the dashboard's
     events, the Ascend dry-run resolves started at the session's start) run after it, so the
-    work overlaps the rest."""
+    work overlaps the rest. Within each, `tier_start` tests first and `tier_end` ones last: a
+    test that starts background work, and the test that reads it once the tier's others ran."""
     late = item.get_closest_marker("late")
-    return ((late.args[0] if late.args else 1) if late else 0, 1 if item.get_closest_marker("cluster") else 0)
+    edge = (-1 if item.get_closest_marker("tier_start")
+            else 1 if item.get_closest_marker("tier_end") else 0)
+    return ((late.args[0] if late.args else 1) if late else 0,
+            1 if item.get_closest_marker("cluster") else 0, edge)
 
 
 def _start_cluster() -> subprocess.Popen:

@@ -26,7 +26,7 @@ import requests
 import yaml
 
 from tests.conftest import E2E_TEMPLATE, MINILM
-from tests.support.live_cluster import ray_script, ray_script_json
+from tests.support.live_cluster import delete_app, ray_script, ray_script_json
 from tests.test_e2e_errors import CASES
 
 pytestmark = pytest.mark.cluster
@@ -48,15 +48,6 @@ ray.init(address="auto", logging_level="ERROR", log_to_driver=False,
 serve.run(build(cfg), name=cfg.app_name, route_prefix=sys.argv[2])
 print(" ".join(sorted(serve.status().applications[cfg.app_name].deployments)))
 """
-
-DELETE = """
-import sys
-import ray
-from ray import serve
-ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-serve.delete(sys.argv[1])
-"""
-
 
 EMBED_BATCH = """
 import json, sys
@@ -99,7 +90,7 @@ def direct(cluster, tmp_path_factory):
     # the free card may still be held by minilm-autoscale's second replica for a few seconds
     deployments = ray_script(DEPLOY, path, PREFIX, timeout=600).split()
     yield f"{cluster}{PREFIX}", deployments
-    ray_script(DELETE, APP)
+    delete_app(APP, wait=False)  # the next modules need no card; the governor's comes later
 
 
 def test_the_engine_deployment_is_the_ingress(direct):

@@ -24,7 +24,7 @@ import requests
 import yaml
 
 from tests.conftest import E2E_TEMPLATE, ZERO
-from tests.support.live_cluster import actors_of_class, ray_script, ray_script_json, wait_for
+from tests.support.live_cluster import actors_of_class, delete_app, ray_script_json, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -81,15 +81,6 @@ print(json.dumps({"status": getattr(status.status, "value", status.status),
                   "router_replicas": states}))
 """
 
-DELETE = """
-import sys
-import ray
-from ray import serve
-ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-serve.delete(sys.argv[1])
-"""
-
-
 def app_config(tmp_path, name: str, **router) -> str:
     """The e2e config cut down to its scale-to-zero model, behind a Router with ``router``."""
     data = yaml.safe_load(E2E_TEMPLATE.read_text())
@@ -116,7 +107,7 @@ def keyed(cluster, tmp_path_factory):
     path = app_config(tmp, APP, api_keys_file=str(keys))
     status = ray_script_json(DEPLOY, path, SECOND_NODE, f"/{APP}", "wait", timeout=600)
     yield f"{cluster}/{APP}", status
-    ray_script(DELETE, APP)
+    delete_app(APP, wait=False)  # its Routers' graceful stop need not hold up the next modules
 
 
 def test_every_router_replica_of_the_app_is_on_the_second_node(keyed):
@@ -163,5 +154,5 @@ def test_a_replica_that_finds_no_keys_never_starts_and_never_serves_open(cluster
             resp = requests.get(f"{cluster}/{MISSING}{route}", timeout=30)
             assert resp.status_code != 200, resp.text
     finally:
-        ray_script(DELETE, MISSING)
+        delete_app(MISSING)
     wait_for(lambda: router_nodes(MISSING) == [], 120, f"{MISSING}'s Router replicas gone")

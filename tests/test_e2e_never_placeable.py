@@ -15,22 +15,28 @@ the real app (deployments/app.py build: Router, registry, governor, real vLLM Mi
 with Serve's proxy on a free port. Cleanup deletes the app, then kills only this head's
 processes (and their children, the engine's), by pid.
 
-Tiered with ``engine`` (a heavyweight process tree without the session cluster). In `make test`
-it runs while the session cluster starts on the same machine, the case it guards: Ray's state
-API given no address reads the machine's latest `ray start` cluster (the session's), and a
-registry that read it found none of its own replicas (mini-a answered 503, or mini-b held 120 s);
-the registry names its own GCS (deployments/fleet/placement.py own_cluster_actors).
+Tiered with ``engine`` (a heavyweight process tree without the session cluster). Its head and
+app start in the background: ``test_the_one_card_head_is_under_way`` starts them at the start
+of the tier, and the refusal test runs at the tier's end (``tier_end``), so the minutes of
+`ray start`, Serve's start and mini-a's engine start overlap the other engine tests instead of
+holding them up; the head is killed as soon as that test ends. In `make test` the start runs
+while the session cluster starts on the same machine, the case it guards: Ray's state API given
+no address reads the machine's latest `ray start` cluster (the session's), and a registry that
+read it found none of its own replicas (mini-a answered 503, or mini-b held 120 s); the registry
+names its own GCS (deployments/fleet/placement.py own_cluster_actors).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import threading
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import psutil
@@ -145,27 +151,80 @@ def issue_config(head: OneCardHead, tmp: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def one_card_app():
-    root = Path(tempfile.mkdtemp(prefix="efnever-", dir="/tmp"))  # short: Ray's unix sockets
-    head = OneCardHead(root)
-    try:
-        head.start()
-        # serve.run returns once the app runs: mini-a's engine loaded (minutes when starved)
-        head.run(DEPLOY, str(issue_config(head, root)), timeout=1200)
-        yield f"http://127.0.0.1:{head.http_port}"
-    finally:
+class BackgroundApp:
+    """The one-card head and its app, started on a thread of their own: ``url`` waits for the
+    deploy and returns the app's base URL (or raises what the start raised); ``stop`` deletes the
+    app and kills the head, once, whichever of the test and the session's end comes first."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="efnever-", dir="/tmp"))  # short: Ray's sockets
+        self.head = OneCardHead(self.root)
+        self.started: Future[str] = Future()
+        self._stopped = threading.Lock()
+        self._stopping: threading.Thread | None = None
+        threading.Thread(target=self._start, name="never-placeable-head", daemon=True).start()
+
+    def _start(self) -> None:
         try:
-            head.run(SHUTDOWN, timeout=120)  # replicas stop their engines
+            self.head.start()
+            # serve.run returns once the app runs: mini-a's engine loaded (minutes when starved)
+            self.head.run(DEPLOY, str(issue_config(self.head, self.root)), timeout=1200)
+            self.started.set_result(f"http://127.0.0.1:{self.head.http_port}")
+        except BaseException as exc:  # noqa: BLE001 - handed to the test that waits on it
+            self.started.set_exception(exc)
+
+    def url(self, timeout_s: float = 1500) -> str:
+        return self.started.result(timeout=timeout_s)
+
+    def stop_in_background(self) -> None:
+        """``stop`` on a thread: the tests after this one need nothing of the head."""
+        self._stopping = threading.Thread(target=self.stop, name="never-placeable-stop")
+        self._stopping.start()
+
+    def join(self) -> None:
+        if self._stopping is not None:
+            self._stopping.join()
+        self.stop()
+
+    def stop(self) -> None:
+        if not self._stopped.acquire(blocking=False):
+            return
+        try:
+            self.started.exception(timeout=1500)  # let a start under way end before the kill
+        except TimeoutError:
+            pass
+        try:
+            self.head.run(SHUTDOWN, timeout=120)  # replicas stop their engines
         except (AssertionError, subprocess.TimeoutExpired):
             pass
-        head.kill()
+        self.head.kill()
         # the serve logs (registry, routers) outlive the head, for a failure to be read
-        logs = root / "ray" / "session_latest" / "logs" / "serve"
+        logs = self.root / "ray" / "session_latest" / "logs" / "serve"
         if logs.is_dir():
             shutil.copytree(logs, Path(tempfile.gettempdir()) / "efnever-last-serve-logs",
                             dirs_exist_ok=True)
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def one_card_app_started():
+    app = BackgroundApp()
+    yield app
+    app.join()  # the refusal test's stop, or this one when that test did not run
+
+
+@pytest.fixture
+def one_card_app(one_card_app_started):
+    try:
+        yield one_card_app_started.url()
+    finally:
+        one_card_app_started.stop_in_background()
+
+
+@pytest.mark.tier_start
+def test_the_one_card_head_is_under_way(one_card_app_started):
+    assert one_card_app_started.root.is_dir()
+    assert not one_card_app_started.started.done() or one_card_app_started.url(timeout_s=0)
 
 
 def wait_for(check, timeout_s: float, what: str, every: float = 2.0):
@@ -182,6 +241,7 @@ def embed(url: str, model: str, timeout: float = 60) -> requests.Response:
                          timeout=timeout)
 
 
+@pytest.mark.tier_end  # its app started in the background at the tier's start
 def test_a_model_whose_card_never_comes_back_is_refused_within_a_second(one_card_app):
     url = one_card_app
 

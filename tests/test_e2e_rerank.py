@@ -29,7 +29,7 @@ from embedfleet.benchmarks.tiny_qwen3_reranker import CANARY_DOCS, CANARY_QUERY,
 from embedfleet.deployments.config.ray_options import engine_deployment_name
 from embedfleet.deployments.engine.rerank_models import FAMILIES
 from tests.conftest import E2E_TEMPLATE, ZERO
-from tests.support.live_cluster import actors_of_class, ray_script, ray_script_json, wait_for
+from tests.support.live_cluster import actors_of_class, delete_app, ray_script_json, wait_for
 from tests.support.tiny_qwen3_reranker import build_tiny_qwen3_reranker
 from tests.support.wrong_override import FACTORY as WRONG_FACTORY
 
@@ -84,16 +84,6 @@ print(json.dumps({"status": getattr(status.status, "value", status.status),
                   "engine_message": engine.message if engine else ""}))
 """
 
-DELETE = """
-import sys
-import ray
-from ray import serve
-ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-if sys.argv[1] in serve.status().applications:
-    serve.delete(sys.argv[1])
-"""
-
-
 def _reference() -> tuple[list[float], dict[str, str]]:
     """Transformers' scores of DOCS, and the canary triple they fix (best and worst document),
     with the ids the engine tokenises them to (the same tokenizer, special tokens included)."""
@@ -135,7 +125,7 @@ def served(cluster, tmp_path_factory, reference):
     status = ray_script_json(DEPLOY, path, f"/{APP}", "default", "wait", timeout=1800)
     assert status["status"] == "RUNNING", status
     yield f"{cluster}/{APP}"
-    ray_script(DELETE, APP)
+    delete_app(APP)
     wait_for(lambda: _gone(APP), 180, f"{APP}'s engine replicas gone")  # its card is free again
 
 
@@ -187,9 +177,10 @@ def test_roles_are_400(served):
 
 def test_a_wrong_override_fails_the_canary_and_is_not_served(served, tmp_path_factory,
                                                               reference):
-    # after `served`'s tests: its card is taken until it is deleted, so delete it first
-    ray_script(DELETE, APP)
-    wait_for(lambda: _gone(APP), 180, f"{APP}'s engine replicas gone")
+    # after `served`'s tests: its card is taken until it is deleted, so delete it first; the
+    # wrong app's Router, registry and governor start while it stops, and its reranker replica
+    # waits in Serve's scheduler for the card
+    delete_app(APP, wait=False)
     _, triple = reference
     path = app_config(tmp_path_factory.mktemp("rerank-wrong"), WRONG_APP, triple)
     try:
@@ -201,5 +192,4 @@ def test_a_wrong_override_fails_the_canary_and_is_not_served(served, tmp_path_fa
                   {"model": RERANKER, "query": QUERY, "documents": DOCS})
         assert r.status_code != 200, r.text
     finally:
-        ray_script(DELETE, WRONG_APP)
-    wait_for(lambda: _gone(WRONG_APP), 180, f"{WRONG_APP}'s engine replicas gone")
+        delete_app(WRONG_APP, wait=False)  # the modules after this one need no free card

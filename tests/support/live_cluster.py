@@ -90,6 +90,24 @@ def ray_script_json(script: str, *args: str, timeout: float = 120) -> Any:
     return json.loads(lines[-1])
 
 
+_DELETE_APP = """
+import sys
+import ray
+from ray import serve
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+if sys.argv[1] in serve.status().applications:
+    serve.delete(sys.argv[1], _blocking=sys.argv[2] == "wait")
+"""
+
+
+def delete_app(app: str, wait: bool = True) -> None:
+    """Delete a test's own Serve app from the session cluster (nothing when it is not there).
+    ``wait=False`` returns once Serve's controller has the order: its replicas stop in the
+    background (Router replicas wait out Serve's graceful shutdown, an engine stops vLLM: about
+    30 s), and a deploy that needs the card it frees waits for it in Serve's scheduler."""
+    ray_script(_DELETE_APP, app, "wait" if wait else "nowait")
+
+
 def engine_core_of(pid: int) -> psutil.Process:
     for child in psutil.Process(pid).children(recursive=True):
         try:  # the engine replaced after a canary failure can linger as a zombie: skip it

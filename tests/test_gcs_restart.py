@@ -56,27 +56,40 @@ print(json.dumps({k: v.model_dump(mode="json") for k, v in items.items()}))
 """
 
 
+# Every port handed to a throwaway head of this process, never handed out twice: `ray start`
+# refuses a head whose own ports fall inside its worker range ("the same port is not used by
+# multiple components"; an ephemeral port landed in it once), and the never-placeable head
+# (tests/test_e2e_never_placeable.py) runs beside this file's, so neither may take the other's.
+_HANDED_OUT: set[int] = set()
+
+
 def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
+    """``n`` ports free now, none handed out before (worker ranges included)."""
+    ports: list[int] = []
+    for _ in range(20 * n):
+        with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise AssertionError(f"no {n} free ports for a throwaway head")
 
 
 def worker_port_range(width: int = 40) -> tuple[int, int]:
-    """A run of ``width`` ports free now, above Ray's default worker range (10002-19999)."""
+    """A run of ``width`` ports free now, above Ray's default worker range (10002-19999), none
+    handed out before."""
     for _ in range(50):
         base, socks = 30000 + secrets.randbelow(20000), []
+        if _HANDED_OUT.intersection(range(base, base + width)):
+            continue
         try:
             for port in range(base, base + width):
                 socks.append(socket.socket())
                 socks[-1].bind(("127.0.0.1", port))
+            _HANDED_OUT.update(range(base, base + width))
             return base, base + width - 1
         except OSError:
             continue
@@ -91,10 +104,10 @@ class ThrowawayHead:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.workers = worker_port_range()  # first: the ports below are picked outside it
         (self.redis_port, self.gcs_port, self.nm_port, self.om_port, self.client_port,
          self.agent_port, self.agent_grpc, self.metrics_port, self.rt_env_port,
          self.dashboard_port) = free_ports(10)
-        self.workers = worker_port_range()
         self.password = secrets.token_hex(16)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         self.env.update({

@@ -78,15 +78,18 @@ UNIT_PYTEST = $(PY) -m pytest -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS)
 # No bench-setup here: the suite's bench smoke runs the vllm, vllm-serve and embedfleet peers;
 # Infinity's venv is for `embedfleet bench` (make bench-setup).
 # The tiers are pytest markers (pyproject.toml; tests/conftest.py orders them). `make test` runs
-# every tier in two pytest runs: the unit tier first on xdist workers, with no cluster yet (an
-# idle session cluster costs over half a core here); then one process for the rest, the `engine`
-# and `prometheus` tests while the session cluster starts in the background, the `cluster` tests,
-# and the Ascend install's dry-run resolves (`ascend_install`, network). With PYTEST_ARGS (a file,
-# `-k`, `-m`) it is one process over what they select, in the same tier order.
+# every tier in two pytest runs: the unit and `prometheus` tiers first on xdist workers, with no
+# cluster yet (an idle session cluster costs over half a core here; a Prometheus test mostly
+# waits for scrapes, so a core runs unit tests meanwhile, where in the second run it held up the
+# engine tier); then one process for the rest, the `engine` tests while the session cluster
+# starts in the background, the `cluster` tests, and the Ascend install's dry-run resolves
+# (`ascend_install`, network). With PYTEST_ARGS (a file, `-k`, `-m`) it is one process over what
+# they select, in the same tier order.
+FIRST_MARKERS := ($(UNIT_MARKERS)) or prometheus
 test: setup reference-sources
 ifeq ($(strip $(PYTEST_ARGS)),)
-	$(UNIT_PYTEST)
-	$(PY) -m pytest -m "not ($(UNIT_MARKERS))"
+	$(PY) -m pytest -m "$(FIRST_MARKERS)" -n $(UNIT_WORKERS)
+	$(PY) -m pytest -m "not ($(FIRST_MARKERS))"
 else
 	$(PY) -m pytest $(PYTEST_ARGS)
 endif

@@ -102,7 +102,7 @@ def tiny_qwen3_dir() -> Path:
 
 
 # The session cluster starts while the tests before the `cluster` tier run (`make test`: the
-# engine and Prometheus tiers; `embedfleet up` is minutes of engine starts):
+# engine tier; `embedfleet up` is minutes of engine starts):
 # pytest_collection_modifyitems launches it in the background when any `cluster` test is
 # selected, and orders every `cluster` test after the others; the fixture waits for it.
 _CLUSTER_UP: dict[str, subprocess.Popen] = {}

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -154,13 +154,13 @@ def issue_config(head: OneCardHead, tmp: Path) -> Path:
 class BackgroundApp:
     """The one-card head and its app, started on a thread of their own: ``url`` waits for the
     deploy and returns the app's base URL (or raises what the start raised); ``stop`` deletes the
-    app and kills the head, once, whichever of the test and the session's end comes first."""
+    app and kills the head: on a thread when the refusal test ends, or at the session's end when
+    that test did not run."""
 
     def __init__(self) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="efnever-", dir="/tmp"))  # short: Ray's sockets
         self.head = OneCardHead(self.root)
         self.started: Future[str] = Future()
-        self._stopped = threading.Lock()
         self._stopping: threading.Thread | None = None
         threading.Thread(target=self._start, name="never-placeable-head", daemon=True).start()
 
@@ -182,13 +182,12 @@ class BackgroundApp:
         self._stopping.start()
 
     def join(self) -> None:
-        if self._stopping is not None:
+        if self._stopping is None:
+            self.stop()
+        else:
             self._stopping.join()
-        self.stop()
 
     def stop(self) -> None:
-        if not self._stopped.acquire(blocking=False):
-            return
         try:
             self.started.exception(timeout=1500)  # let a start under way end before the kill
         except TimeoutError:

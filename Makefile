@@ -43,12 +43,16 @@ endif
 
 # Prometheus and promtool come from Debian's package; installed only when missing. So does
 # redis-server, the Redis of the GCS fault-tolerance test (tests/test_gcs_restart.py), which
-# starts its own on a free port (the package's service is not started).
+# starts its own on a free port (the package's service is not started). And so does tcmalloc, the
+# malloc a CPU engine runs on (deployments/engine/platform.py cpu_malloc_preload), as vLLM's CPU
+# install guide sets it up.
 prometheus:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
 	@command -v redis-server >/dev/null || { \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
+	@ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || { \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4; }
 
 # Infinity, a benchmark peer (`embedfleet bench`), in a venv of its own: its numpy/transformers pins
 # conflict with vLLM's. The script is idempotent (a stamp holds its requirements' hash).

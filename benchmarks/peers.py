@@ -55,9 +55,13 @@ class Peer(Protocol):
 
 
 def cpu_env(cores: list[int]) -> dict[str, str]:
-    """vLLM CPU thread binding, as an embedfleet replica sets it (deployments/engine/platform.py)."""
+    """vLLM CPU thread binding and the engine's malloc, as an embedfleet replica sets them
+    (deployments/engine/platform.py): every peer's engine runs on the same allocator."""
+    from ..deployments.engine.platform import cpu_malloc_preload, find_tcmalloc
+
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "LD_PRELOAD": cpu_malloc_preload(os.environ.get("LD_PRELOAD", ""), find_tcmalloc())}
 
 
 # -- bare vLLM ---------------------------------------------------------------------------------

@@ -245,3 +245,18 @@ def _no_ray_driver_left(request):
     if ray is not None and ray.is_initialized():
         ray.shutdown()
         pytest.fail(f"{request.node.nodeid} left a Ray driver connected (now shut down)")
+
+
+@pytest.fixture(autouse=True)
+def _no_ld_preload_left(request):
+    """Fail a test that leaves ``LD_PRELOAD`` changed in pytest's process: every later
+    subprocess would start with that allocator (a replica's tcmalloc, deployments/engine/
+    platform.py); a test of glibc's behaviour (tests/test_card_memory.py) failed so."""
+    before = os.environ.get("LD_PRELOAD")
+    yield
+    if (after := os.environ.get("LD_PRELOAD")) != before:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
+        pytest.fail(f"{request.node.nodeid} left LD_PRELOAD={after!r} (was {before!r}; restored)")

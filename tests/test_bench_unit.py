@@ -894,7 +894,7 @@ def test_bench_main_measures_cpu_and_judges_goals_with_stand_in_peers(tmp_path, 
     from embedfleet.benchmarks import bench
 
     for key in ("HF_HUB_OFFLINE", "VLLM_LOGGING_LEVEL", "TOKENIZERS_PARALLELISM",
-                "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+                "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "LD_PRELOAD"):
         monkeypatch.setenv(key, os.environ.get(key, ""))  # main() sets them: restore after
     peers = {"vllm": _FakePeer("vllm", 0.002, False),
              "vllm-serve": _FakePeer("vllm-serve", 0.004, True),

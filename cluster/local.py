@@ -73,6 +73,7 @@ def start_head(cards: int, resource: str = "NPU", nodes: int = 1,
         return address
     per_node = cards // nodes
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(ray_env or {})}
+    env.update(haproxy_env(env))
     cmd = [RAY, "start", "--head", f"--port={s.ray_port}",
            f"--dashboard-port={s.dashboard_port}", "--dashboard-host=127.0.0.1",
            f"--resources={json.dumps({resource: per_node})}", "--disable-usage-stats"]
@@ -90,6 +91,23 @@ def start_head(cards: int, resource: str = "NPU", nodes: int = 1,
     shape = f"{nodes} nodes x {per_node}" if nodes > 1 else str(cards)
     print(f"started a Ray cluster at {address} with {shape} logical {resource} card(s)")
     return address
+
+
+# Serve's HAProxy through `embedfleet-haproxy` (cluster/haproxy_loopback.py): its stats page and
+# metrics frontend on loopback, its admin socket the owner's. Ray 2.60 runs the binary this names.
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+HAPROXY_LOOPBACK = Path(sys.executable).with_name("embedfleet-haproxy")
+
+
+def haproxy_env(env: dict[str, str], wrapper: Path = HAPROXY_LOOPBACK) -> dict[str, str]:
+    """The local nodes' HAProxy binary in HAProxy mode: ``embedfleet-haproxy`` unless the
+    environment names one already (an operator's choice is kept)."""
+    if env.get("RAY_SERVE_ENABLE_HA_PROXY") != "1" or env.get(HAPROXY_BINARY_ENV):
+        return {}
+    if not os.access(wrapper, os.X_OK):
+        raise RuntimeError(f"{wrapper} is missing: reinstall embedfleet (make setup), which "
+                           "installs it as a console script beside `embedfleet`")
+    return {HAPROXY_BINARY_ENV: str(wrapper)}
 
 
 def _ray_start(cmd: list[str], env: dict[str, str]) -> None:

@@ -124,3 +124,32 @@ def test_a_cpu_engine_runs_its_worker_in_its_engine_core_on_its_cards_cores(clus
         # tcmalloc is the engine core's malloc (the Makefile installs it): loaded, not only named
         maps = open(f"/proc/{core.pid}/maps").read()
         assert "libtcmalloc" in env["LD_PRELOAD"] and "libtcmalloc" in maps, env["LD_PRELOAD"]
+
+
+def test_serves_haproxy_keeps_its_stats_page_and_metrics_on_loopback(cluster):
+    """Serve runs HAProxy through embedfleet-haproxy (cluster/haproxy_loopback.py): Ray's
+    template binds the stats page and metrics frontend on every interface and makes the admin
+    socket world-writable; the running HAProxy has them on 127.0.0.1 and its owner's."""
+    import os
+    import re
+    from pathlib import Path
+
+    import psutil
+
+    from embedfleet.cluster.haproxy_loopback import SUFFIX
+    from tests.support.haproxy_replay import listening_on
+
+    running = [p for p in psutil.process_iter(["name", "cmdline"])
+               if p.info["name"] == "haproxy" and any("/haproxy-serve/" in a
+                                                      for a in p.info["cmdline"] or [])]
+    assert running, "no Serve HAProxy on this machine"
+    for p in running:
+        cmd = p.info["cmdline"]
+        cfg = Path(cmd[cmd.index("-f") + 1])
+        assert cfg.name.endswith(SUFFIX), cmd  # the closed copy, not Serve's own file
+        text = cfg.read_text()
+        for port in re.findall(r"^\s*bind 127\.0\.0\.1:(\d+)\s*$", text, re.M):
+            assert listening_on(int(port)) == {"127.0.0.1"}, (port, text)
+        assert len(re.findall(r"^\s*bind 127\.0\.0\.1:", text, re.M)) == 2, text
+        sock = re.search(r"^\s*stats socket (\S+) mode 600\b", text, re.M)
+        assert sock and os.stat(sock.group(1)).st_mode & 0o777 == 0o600, text

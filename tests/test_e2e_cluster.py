@@ -136,7 +136,6 @@ def test_serves_haproxy_keeps_its_stats_page_and_metrics_on_loopback(cluster):
 
     import psutil
 
-    from embedfleet.cluster.haproxy_loopback import SUFFIX
     from tests.support.haproxy_replay import listening_on
 
     running = [p for p in psutil.process_iter(["name", "cmdline"])
@@ -145,11 +144,14 @@ def test_serves_haproxy_keeps_its_stats_page_and_metrics_on_loopback(cluster):
     assert running, "no Serve HAProxy on this machine"
     for p in running:
         cmd = p.info["cmdline"]
-        cfg = Path(cmd[cmd.index("-f") + 1])
-        assert cfg.name.endswith(SUFFIX), cmd  # the closed copy, not Serve's own file
-        text = cfg.read_text()
-        for port in re.findall(r"^\s*bind 127\.0\.0\.1:(\d+)\s*$", text, re.M):
-            assert listening_on(int(port)) == {"127.0.0.1"}, (port, text)
-        assert len(re.findall(r"^\s*bind 127\.0\.0\.1:", text, re.M)) == 2, text
-        sock = re.search(r"^\s*stats socket (\S+) mode 600\b", text, re.M)
+        # Serve's own file, which Serve writes afresh (open) just before each start: the
+        # ports and the socket are read from it, what they are bound to from the kernel
+        text = Path(cmd[cmd.index("-f") + 1]).read_text()
+        ports = [int(port) for section in ("listen stats", "frontend prometheus")
+                 for port in re.findall(rf"^{section}\n(?:[ \t].*\n)*?\s*bind \S*:(\d+)",
+                                        text, re.M)]
+        assert len(ports) == 2, text
+        for port in ports:
+            assert listening_on(port) == {"127.0.0.1"}, (port, text)
+        sock = re.search(r"^\s*stats socket (\S+)", text, re.M)
         assert sock and os.stat(sock.group(1)).st_mode & 0o777 == 0o600, text

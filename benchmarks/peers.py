@@ -57,11 +57,10 @@ class Peer(Protocol):
 def cpu_env(cores: list[int]) -> dict[str, str]:
     """vLLM CPU thread binding and the engine's malloc, as an embedfleet replica sets them
     (deployments/engine/platform.py): every peer's engine runs on the same allocator."""
-    from ..deployments.engine.platform import cpu_malloc_preload, find_tcmalloc
+    from ..deployments.engine.platform import engine_ld_preload
 
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "LD_PRELOAD": cpu_malloc_preload(os.environ.get("LD_PRELOAD", ""), find_tcmalloc())}
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "LD_PRELOAD": engine_ld_preload()}
 
 
 # -- bare vLLM ---------------------------------------------------------------------------------

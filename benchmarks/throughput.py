@@ -146,11 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="all-minilm-l6-v2")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from ..deployments.engine.platform import cpu_malloc_preload, find_tcmalloc
+    from ..deployments.engine.platform import engine_ld_preload
 
     # the bare engine's core (spawned) on the malloc an embedfleet replica gives its engine
-    os.environ["LD_PRELOAD"] = cpu_malloc_preload(os.environ.get("LD_PRELOAD", ""),
-                                                  find_tcmalloc())
+    os.environ["LD_PRELOAD"] = engine_ld_preload()
     texts = ([json.loads(line)["text"] for line in args.texts_file.open() if line.strip()]
              if args.texts_file else workload(args.texts))
     runs = []

@@ -89,10 +89,9 @@ def real_haproxy(own: str | None = None) -> str:
                             f"or set {REAL_ENV}")
 
 
-def close_configs(args: list[str]) -> list[str]:
+def close_configs(args: list[str]) -> None:
     """Close each ``-f FILE`` of HAProxy's arguments in place (``closed``), atomically and under
-    Serve's own lock on it (``FILE.lock``, Ray 2.60's ``HAProxyApi``); what was changed."""
-    changed = []
+    Serve's own lock on it (``FILE.lock``, Ray 2.60's ``HAProxyApi``)."""
     for flag, value in zip(args, args[1:]):
         if flag != "-f" or not os.path.isfile(value):
             continue
@@ -103,8 +102,6 @@ def close_configs(args: list[str]) -> list[str]:
                 tmp = f"{value}.{os.getpid()}.tmp"
                 Path(tmp).write_text(text, encoding="utf-8")
                 os.replace(tmp, value)
-        changed += what
-    return changed
 
 
 def main(argv: list[str] | None = None) -> None:

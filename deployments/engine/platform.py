@@ -134,6 +134,12 @@ def cpu_malloc_preload(ld_preload: str, tcmalloc: str | None) -> str:
     return f"{tcmalloc}:{ld_preload}" if ld_preload else tcmalloc
 
 
+def engine_ld_preload() -> str:
+    """This process's ``LD_PRELOAD`` with the CPU engine's malloc (``cpu_malloc_preload``), for an
+    engine core it spawns: the replica's, and the bench's peers'."""
+    return cpu_malloc_preload(os.environ.get("LD_PRELOAD", ""), find_tcmalloc())
+
+
 def prepare_cpu_process(device: str, cards_on_node: int) -> str:
     """Set vLLM CPU thread binding for this replica's card, and its engine's malloc
     (``cpu_malloc_preload``); returns the binding used.
@@ -168,8 +174,7 @@ def prepare_cpu_process(device: str, cards_on_node: int) -> str:
     os.environ["OMP_NUM_THREADS"] = str(bound_cores(binding) or len(os.sched_getaffinity(0)))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # an operator's choice wins
     # the engine core is spawned after this (a new interpreter), so it starts with tcmalloc
-    os.environ["LD_PRELOAD"] = cpu_malloc_preload(os.environ.get("LD_PRELOAD", ""),
-                                                  find_tcmalloc())
+    os.environ["LD_PRELOAD"] = engine_ld_preload()
     return binding
 
 

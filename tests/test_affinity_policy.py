@@ -214,9 +214,13 @@ def test_the_key_is_the_template_and_the_first_inputs_head():
     ("auto", "auto", True), ("auto", "on", True), ("auto", "off", False),
     ("prefix_affinity", "off", True), ("power_of_two", "on", False)])
 def test_the_config_renders_serves_request_router_config(policy, prefix_cache, routed):
-    cfg = parse_config({"models": [{"name": "m", "source": {"path": "/models/m"},
-                                    "prefix_cache": prefix_cache,
-                                    "routing": {"policy": policy, "load_factor": 1.5}}]}, "t")
+    model = {"name": "m", "source": {"path": "/models/m"}, "prefix_cache": prefix_cache,
+             "routing": {"policy": policy, "load_factor": 1.5}}
+    one = parse_config({"models": [model]}, "t")  # one replica: HAProxy to it, no Router
+    assert one.direct_ingress and "request_router_config" not in engine_deployment_options(
+        one, one.models[0])
+    cfg = parse_config({"models": [{**model, "replicas": {"min_replicas": 2,
+                                                          "max_replicas": 2}}]}, "t")
     opts = engine_deployment_options(cfg, cfg.models[0])
     if not routed:
         assert "request_router_config" not in opts

@@ -174,6 +174,7 @@ def test_render_cli_bad_config_exits_2_with_message(tmp_path):
 
 # -- router.ingress: the Router, or a one-model app's engine replicas -------------------------
 ONE_PLAIN = {**MODEL, "routing": {"policy": "power_of_two"}}
+TWO_AFFINE = {**MODEL, "replicas": {"min_replicas": 2, "max_replicas": 2}}  # routing auto
 
 
 def deployment_names(c) -> list[str]:
@@ -185,11 +186,15 @@ def test_auto_takes_the_router_hop_out_only_where_the_app_allows_it():
     assert direct.direct_ingress
     assert deployment_names(direct) == ["FleetRegistry", "MemoryGovernor", "engine-m"]
     assert load_config().direct_ingress  # the bundled MiniLM: one model, no affinity
+    # one replica: prefix affinity has nothing to choose between, and a reranker takes its
+    # routes itself as an embedder does
+    for one in (dict(MODEL), {**MODEL, "task": "rerank"}):
+        assert parse_config({"models": [one]}).direct_ingress, one
     routed = {
         "two models": {"models": [ONE_PLAIN, {**ONE_PLAIN, "name": "n"}]},
         "scale to zero": {"models": [{**ONE_PLAIN, "replicas": {"min_replicas": 0}}]},
         "autoscaled": {"models": [{**ONE_PLAIN, "replicas": {"max_replicas": 2}}]},
-        "prefix affinity": {"models": [dict(MODEL)]},  # routing auto, prefix_cache auto
+        "prefix affinity": {"models": [TWO_AFFINE]},  # routing auto, prefix_cache auto
         "Serve's proxy": {"models": [ONE_PLAIN], "router": {"http_ingress": "serve_proxy"}},
         "said so": {"models": [ONE_PLAIN], "router": {"ingress": "router"}},
     }
@@ -211,7 +216,7 @@ def test_engine_ingress_is_refused_at_load_where_it_would_drop_a_feature():
     for models, words in (
             ([ONE_PLAIN, {**ONE_PLAIN, "name": "n"}], "serves 2 models"),
             ([{**ONE_PLAIN, "replicas": {"min_replicas": 0}}], "min_replicas=0"),
-            ([dict(MODEL)], "prefix affinity")):
+            ([TWO_AFFINE], "prefix affinity")):
         with pytest.raises(ConfigError) as err:
             parse_config({"models": models, **explicit})
         assert "router.ingress='engine'" in str(err.value) and words in str(err.value)
@@ -226,4 +231,5 @@ def test_serves_proxy_bounds_a_direct_apps_requests_the_router_app_bounds_its_ow
     m = direct.models[0]
     assert http["request_timeout_s"] == max(direct.router.request_timeout_s,
                                             m.replicas.cold_start_hold_s) + 30
-    assert "request_timeout_s" not in serve_config(parse_config(cfg()))["http_options"]
+    routed = parse_config({"models": [ONE_PLAIN], "router": {"ingress": "router"}})
+    assert "request_timeout_s" not in serve_config(routed)["http_options"]

@@ -37,6 +37,11 @@ def test_the_bounds_default_from_the_cards_step_budget():
     assert m.max_request_tokens == REQUEST_STEPS_BOUND * 1024
     assert m.max_request_chars == CHARS_PER_TOKEN_BOUND * REQUEST_STEPS_BOUND * 1024
     assert m.large_call_tokens == 1024 // 8
+    # a reranker's every call is a query with its documents: in runs only past a whole step
+    rr = parse_config({"models": [{**MINILM, "task": "rerank"}]}).models[0]
+    assert rr.large_call_tokens == 1024
+    said = {**MINILM, "task": "rerank", "admission": {"large_call_tokens": 300}}
+    assert parse_config({"models": [said]}).models[0].large_call_tokens == 300
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))

@@ -160,3 +160,80 @@ def test_openapi_documents_every_rerank_route():
     paths = doc.openapi()["paths"]
     for p in ("/rerank", "/v1/rerank", "/v2/rerank", "/score"):
         assert "requestBody" in paths[p]["post"] and "400" in paths[p]["post"]["responses"]
+
+
+# -- a one-model reranker app: its engine replica takes the routes (ingress/direct.py) ----------
+class StandInRerankReplica:
+    """STAND-IN for the ``EngineReplica`` a ``DirectEngine`` builds and holds (no engine)."""
+
+    replica_id = "direct-r1"
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.recorder = metrics.Batched()
+        self.calls: list[RerankCall] = []
+        self.delay_s = delay_s
+
+    async def start(self) -> None:
+        pass
+
+    def stop(self) -> None:  # Serve's shutdown of the DirectEngine stops the replica it holds
+        pass
+
+    async def rerank(self, call: RerankCall) -> RerankResult:
+        import asyncio
+
+        self.calls.append(call)
+        await asyncio.sleep(self.delay_s)
+        return RerankResult([standin_score(d) for d in call.documents], 5, 0,
+                            self.replica_id, FP)
+
+
+@contextlib.contextmanager
+def direct_client(replica: StandInRerankReplica, bound_s: float | None = None):
+    """A reranker's one-model app as Serve runs it (``direct_deployment()``'s routes on its own
+    app), its ``DirectEngine`` built by its real ``__init__`` around the stand-in replica."""
+    import asyncio
+
+    import ray.serve
+
+    from embedfleet.deployments.config.schema import config_to_data
+    from embedfleet.deployments.ingress import direct
+    from embedfleet.deployments.replica.engine_replica import EngineReplica
+
+    cfg = parse_config({"models": [
+        {"name": "rr", "task": "rerank", "source": {"path": "/models/Qwen3-Reranker-0.6B"}}]})
+    assert cfg.direct_ingress  # one model on one replica: no Router, whatever its routing
+    app = new_api()
+    direct.direct_deployment(app)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EngineReplica, "built", classmethod(lambda cls, *a, **k: replica))
+        if bound_s is not None:
+            mp.setattr(direct, "request_bound_s", lambda router, m: bound_s)
+        engine = object.__new__(direct.DirectEngine)
+        engine._app = app
+        asyncio.run(direct.DirectEngine.__init__(engine, config_to_data(cfg), "rr"))
+        mp.setattr(ray.serve, "get_replica_context",
+                   lambda: SimpleNamespace(servable_object=engine))
+        with TestClient(app) as c:
+            yield c
+
+
+def test_a_one_model_reranker_app_answers_its_routes_from_the_replica_it_holds():
+    replica = StandInRerankReplica()
+    with direct_client(replica) as http:
+        r = http.post("/v1/rerank", json={"model": "rr", "query": "q", "documents": DOCS})
+        assert r.status_code == 200, r.text
+        assert [x["index"] for x in r.json()["results"]] == [1, 3, 0, 2]
+        assert r.headers["x-embedfleet-replicas"] == "direct-r1"
+        r = http.post("/rerank", json={"query": "q", "texts": DOCS})
+        assert [x["index"] for x in r.json()] == [1, 3, 0, 2]
+        r = http.post("/v1/embeddings", json={"model": "rr", "input": "x"})
+        assert r.status_code == 400 and "reranker" in r.json()["error"]["message"]
+    assert [(c.query, c.documents) for c in replica.calls] == [("q", DOCS)] * 2
+
+
+def test_a_one_model_reranker_app_answers_503_past_its_bound():
+    with direct_client(StandInRerankReplica(delay_s=2.0), bound_s=0.05) as http:
+        r = http.post("/v1/rerank", json={"model": "rr", "query": "q", "documents": DOCS})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert "direct-r1" in r.json()["error"]["message"]

@@ -33,7 +33,8 @@ class AdmissionConfig(_Strict):
         "lane behind the queries that came meanwhile and sent at bulk's vLLM priority, so one "
         "large request is one slow client and never a stalled card. None = an "
         "eighth of an engine step (engine.max_num_batched_tokens): a run that size is a short "
-        "wait for a query on any card.")
+        "wait for a query on any card; for a reranker (task: rerank), whose every call is a "
+        "query with its documents, a whole engine step.")
     bulk_max_waiting: PositiveInt | None = Field(
         default=None, description="Of max_waiting, the most bulk-lane calls that may queue (None "
         "= half); the rest is kept for interactive calls. Past it, bulk gets 429.")

@@ -200,7 +200,9 @@ def engine_deployment_options(cfg: EmbedfleetConfig, m: ModelConfig) -> dict[str
         "health_check_timeout_s": cfg.health_check_timeout_s,
         "graceful_shutdown_timeout_s": 30,
     }
-    if m.routing.affinity(m.prefix_cache):
+    # a direct app's replicas are Serve's ingress, which HAProxy balances (Serve refuses a
+    # request router there); it has one replica whenever its policy is affinity
+    if m.routing.affinity(m.prefix_cache) and not cfg.direct_ingress:
         opts["request_router_config"] = affinity_router_config(m)
     if r.fixed:
         opts["num_replicas"] = r.min_replicas

@@ -104,8 +104,8 @@ class RouterConfig(BaseModel):
         "engine replicas take HTTP themselves (HAProxy or Serve's proxy -> the replica -> its "
         "engine), one hop less: about 2.7 CPU-s per 1,000 online texts and ~8 ms per request "
         "on two CPU cores. It needs one model, min_replicas >= 1 (a Router holds calls through "
-        "a scale-to-zero cold start) and no prefix-affinity routing (HAProxy balances by "
-        "connections, not by prompt). A request then runs on the replica that took it, all of "
+        "a scale-to-zero cold start) and no prefix-affinity routing over more than one replica "
+        "(HAProxy balances by connections, not by prompt). An embedder or a reranker. A request then runs on the replica that took it, all of "
         "it (the Router slices one of more than 128 inputs over the replicas). `auto`: "
         "`engine` when the app allows it, http_ingress is haproxy and the model has a fixed "
         "number of replicas (min = max), else `router`.")
@@ -150,12 +150,11 @@ def direct_ingress_refusal(router: RouterConfig, models: list[Any]) -> str | Non
     if len(models) != 1:
         return f"it serves {len(models)} models; one Router resolves a request's model"
     m = models[0]
-    if m.task == "rerank":
-        return "models[0] is a reranker (task: rerank): its routes are the Router's"
     if m.replicas.min_replicas < 1:
         return (f"models[0].replicas.min_replicas={m.replicas.min_replicas}: a scale-to-zero "
                 "model needs the Router to hold calls through its cold start")
-    if m.routing.affinity(m.prefix_cache):
+    # one replica: nothing to choose between, so its routing policy asks nothing of the Router
+    if m.replicas.max_replicas > 1 and m.routing.affinity(m.prefix_cache):
         return (f"models[0] is routed by prefix affinity (routing.policy={m.routing.policy!r}, "
                 f"prefix_cache={m.prefix_cache!r}): HAProxy balances connections, not prompts; "
                 "set routing.policy: power_of_two or prefix_cache: off")

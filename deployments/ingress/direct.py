@@ -28,7 +28,8 @@ fleet make of an engine replica (``check_health``, ``describe``, ``record_routin
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 
@@ -42,6 +43,8 @@ from ..config.ray_options import direct_model_share, request_bound_s
 from ..replica.engine_replica import EngineReplica
 from ..replica.rerank_path import RerankCall, RerankResult
 from .pipeline import EmbedPipeline
+
+T = TypeVar("T")
 
 
 class DirectEngine(ApiIngress):
@@ -65,16 +68,24 @@ class DirectEngine(ApiIngress):
                                  share=direct_model_share(m))
         self.api = ApiRoutes(cfg, pipeline, FleetView(registry).status, self._tokenize,
                              self.replica.recorder)
+        if m.task == "rerank":  # the rerank routes' one caller, bounded the same way
+            self.api.rerank.callers[model_name] = self._bounded_rerank
 
     async def _bounded_embed(self, call: EmbedCall) -> EmbedResult:
         """The model's one caller: the replica's own request path (``EngineReplica.embed``),
         within the bound; past it, 503 + Retry-After."""
+        return await self._bounded(self.replica.embed(call))
+
+    async def _bounded(self, call: Awaitable[T]) -> T:
         try:
-            return await asyncio.wait_for(self.replica.embed(call), self._bound_s)
+            return await asyncio.wait_for(call, self._bound_s)
         except asyncio.TimeoutError:
             raise EngineUnavailable(
                 f"replica {self.replica.replica_id} did not answer within {self._bound_s:g}s",
                 retry_after_s=self._retry_after_s) from None
+
+    async def _bounded_rerank(self, call: RerankCall) -> RerankResult:
+        return await self._bounded(self.replica.rerank(call))
 
     async def _tokenize(self, model: str, texts: list[str], add_special_tokens: bool,
                         prompt_name: str | None, lane: Lane) -> list:

@@ -51,11 +51,11 @@ class StandinScorer:
 
 
 def _path(tokenizer, engine, *, task="rerank", pooling="classify", max_tokens=1 << 30,
-          large=1 << 30, canary=None):
+          large=1 << 30, canary=None, budget_tokens=1 << 20):
     m = parse_config({"models": [{"name": "rr", "task": task, "source": {
         "path": "/m/tiny-qwen3-reranker" if task == "rerank" else "/m/e"},
         "rerank": {"canary": canary} if canary else {}}]}).models[0]
-    budget = AdmissionBudget(64, 1 << 20)
+    budget = AdmissionBudget(64, budget_tokens)
     path = request_path_over(lambda: engine, budget, [], max_tokens=max_tokens,
                              large_call_tokens=large)
     path.__dict__.update(
@@ -130,3 +130,80 @@ def test_ordering_canary_passes_and_fails(tokenizer):
     with pytest.raises(RerankCanaryFailed, match="orders it wrong"):
         asyncio.run(rr.start())
     assert not rr.last_canary.passed
+
+
+class HeldScorer(StandinScorer):
+    """STAND-IN engine that holds every call until released, and records the tokens it holds."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.release = asyncio.Event()
+        self.held = self.most_held = 0
+
+    async def embed(self, ids, **kw):
+        n = sum(map(len, ids))
+        self.held += n
+        self.most_held = max(self.most_held, self.held)
+        await self.release.wait()
+        self.held -= n
+        return await super().embed(ids, **kw)
+
+
+def test_a_call_is_admitted_in_parts_that_fill_the_budget_and_stay_within_it(tokenizer):
+    """Two calls of ~60% of the token budget each: admitted whole, the second would wait until
+    the first is done (the engine's steps 60% full); in parts of an eighth of the budget, the
+    second's parts go in beside the first, up to the budget and never past it. Scores stay in
+    document order."""
+    eng = HeldScorer(tokenizer)
+    docs = [f"document number {i} " + "word " * (i % 5) for i in range(24)]
+    probe, _ = _path(tokenizer, StandinScorer(tokenizer))
+    ids, _ = probe.pair_ids("q", docs, truncate=False)
+    call_tokens = sum(map(len, ids))
+    budget_tokens = int(call_tokens / 0.6)
+    rr, budget = _path(tokenizer, eng, budget_tokens=budget_tokens)
+
+    async def run():
+        calls = [asyncio.ensure_future(rr.rerank(RerankCall("q", docs, f"r{k}", "rr")))
+                 for k in range(2)]
+        for _ in range(50):
+            await asyncio.sleep(0)
+        held = eng.most_held
+        eng.release.set()
+        return held, await asyncio.gather(*calls)
+
+    held, results = asyncio.run(run())
+    assert call_tokens < held <= budget_tokens, (call_tokens, held, budget_tokens)
+    assert len(eng.calls) > 2  # in parts: more engine calls than requests
+    want = [len(x) / 1000 for x in ids]
+    assert all(r.scores == pytest.approx(want) for r in results)
+    assert budget.snapshot()["inflight_tokens"] == 0
+
+
+def test_a_call_refused_while_its_parts_wait_leaves_nothing_queued_or_held(tokenizer):
+    """The first part of the second call is refused (429: the queue is full), while its
+    follower parts, which are never refused, have queued: they are taken out of the queue with
+    it, nothing stays held, and the first call is answered."""
+    from embedfleet.deployments.common.errors import Overloaded
+
+    eng = HeldScorer(tokenizer)
+    docs = [f"document {i}" for i in range(16)]
+    probe, _ = _path(tokenizer, StandinScorer(tokenizer))
+    ids, _ = probe.pair_ids("q", docs, truncate=False)
+    # the first call fits whole, and no part of the second fits beside it
+    rr, budget = _path(tokenizer, eng, budget_tokens=sum(map(len, ids)) + min(map(len, ids)) - 1)
+    budget._max_waiting = 0  # a new call that does not fit at once is refused
+
+    async def run():
+        first = asyncio.ensure_future(rr.rerank(RerankCall("q", docs, "r0", "rr")))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        with pytest.raises(Overloaded):
+            await rr.rerank(RerankCall("q", docs, "r1", "rr"))
+        snap = budget.snapshot()
+        eng.release.set()
+        return snap, await first
+
+    snap, res = asyncio.run(run())
+    assert len(res.scores) == len(docs)
+    assert snap["waiting"] == 0 and snap["waiting_tokens"] == 0
+    assert budget.snapshot()["inflight_tokens"] == 0 and eng.held == 0

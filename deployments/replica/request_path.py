@@ -42,6 +42,9 @@ from ..common.long_input import LongInputPolicy
 LANE_PRIORITY = {"interactive": 0, "bulk": 1}
 # Characters above which a call's texts are tokenized in a worker thread.
 THREAD_TOKENIZE_CHARS = 16_384
+# A call admitted in parts (a reranker's pairs) goes in parts of at most this fraction of the
+# token budget.
+ADMIT_PARTS = 8
 # Times a call is sent again after an engine swap shut its engine down under it (one swap each).
 SWAP_RESENDS = 2
 
@@ -113,17 +116,21 @@ class RequestPath:
                            prepared.input_tokens, cached, self._replica_id, self.fingerprint(),
                            report)
 
-    async def _runs(self, pieces: list[list[int]], call: EmbedCall, schedule: Lane
-                    ) -> list[Embedding]:
+    async def _runs(self, pieces: list[list[int]], call: EmbedCall, schedule: Lane,
+                    in_parts: bool = False) -> list[Embedding]:
         """The call's pieces through the owner queue and the engine: one run for an interactive
         call; a bulk or a large call (``schedule`` bulk) in drain-sized runs (``_run_end``) at
         bulk's vLLM priority, each run admitted in the call's own lane (``follows``). One call's
         vectors come from one engine (the chunks of a long input are merged): a swap between two
-        runs (prefix caching switched) sends the call again."""
+        runs (prefix caching switched) sends the call again. ``in_parts``: an interactive call
+        is admitted in parts at once (``_parts``), not whole."""
         for _ in range(SWAP_RESENDS + 1):
             out: list[Embedding] = []
             engines: list[EmbeddingEngine] = []
             start = 0
+            if in_parts and schedule == "interactive":
+                out, engines = await self._admitted_parts(pieces, call)
+                start = len(pieces)
             while start < len(pieces):
                 end = self._run_end(pieces, start, schedule, call.lane)
                 got, engine = await self._admitted_run(pieces[start:end], call, schedule,
@@ -158,6 +165,39 @@ class RequestPath:
             tokens += len(pieces[end])
             end += 1
         return end
+
+    def _parts(self, pieces: list[list[int]]) -> list[list[list[int]]]:
+        """A call's pieces in consecutive parts of at most an eighth of the token budget (at
+        least one piece each). Admitted whole, a call that is a large share of the budget waits
+        until that much is free, and the engine runs steps the budget leaves partly empty
+        (one 4,800-token rerank call at a time in an 8,192-token budget); in parts, each goes
+        to the engine as soon as it fits, and in-flight tokens stay within the budget."""
+        grain = max(1, self.queue.limits[1] // ADMIT_PARTS)
+        parts: list[list[list[int]]] = [[]]
+        tokens = 0
+        for p in pieces:
+            if parts[-1] and tokens + len(p) > grain:
+                parts.append([])
+                tokens = 0
+            parts[-1].append(p)
+            tokens += len(p)
+        return parts
+
+    async def _admitted_parts(self, pieces: list[list[int]], call: EmbedCall
+                              ) -> tuple[list[Embedding], list[EmbeddingEngine]]:
+        """The call's parts (``_parts``) admitted and embedded concurrently: the first as a new
+        call (it may be refused, 429), the others as its followers (queued behind it, never
+        refused once it is in). The first to fail cancels the others."""
+        tasks = [asyncio.ensure_future(self._admitted_run(part, call, "interactive", k > 0))
+                 for k, part in enumerate(self._parts(pieces))]
+        try:
+            done = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [e for got, _ in done for e in got], [engine for _, engine in done]
 
     async def _admitted_run(self, run: list[list[int]], call: EmbedCall, schedule: Lane,
                             follows: bool) -> tuple[list[Embedding], EmbeddingEngine]:

@@ -145,7 +145,8 @@ class RerankPath:
                       else "interactive")
         as_embed = EmbedCall([], call.request_id, call.model, normalize=not call.raw_scores,
                              lane=call.lane)
-        out = await path._runs(ids, as_embed, lane)
+        # the pairs are independent sequences: admitted in parts, they fill the engine's steps
+        out = await path._runs(ids, as_embed, lane, in_parts=True)
         cached = sum(e.num_cached_tokens for e in out)
         path._record(tokens, cached, (), time.perf_counter() - t0)
         return RerankResult([float(e.vector.reshape(-1)[0]) for e in out], tokens, cached,

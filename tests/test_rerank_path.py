@@ -144,8 +144,10 @@ class HeldScorer(StandinScorer):
         n = sum(map(len, ids))
         self.held += n
         self.most_held = max(self.most_held, self.held)
-        await self.release.wait()
-        self.held -= n
+        try:
+            await self.release.wait()
+        finally:
+            self.held -= n
         return await super().embed(ids, **kw)
 
 
@@ -167,12 +169,13 @@ def test_a_call_is_admitted_in_parts_that_fill_the_budget_and_stay_within_it(tok
                  for k in range(2)]
         for _ in range(50):
             await asyncio.sleep(0)
-        held = eng.most_held
+        held, waiting = eng.most_held, budget.snapshot()["waiting"]
         eng.release.set()
-        return held, await asyncio.gather(*calls)
+        return held, waiting, await asyncio.gather(*calls)
 
-    held, results = asyncio.run(run())
+    held, waiting, results = asyncio.run(run())
     assert call_tokens < held <= budget_tokens, (call_tokens, held, budget_tokens)
+    assert waiting <= 2  # each call's next part: a call queues one part at a time
     assert len(eng.calls) > 2  # in parts: more engine calls than requests
     want = [len(x) / 1000 for x in ids]
     assert all(r.scores == pytest.approx(want) for r in results)
@@ -180,9 +183,9 @@ def test_a_call_is_admitted_in_parts_that_fill_the_budget_and_stay_within_it(tok
 
 
 def test_a_call_refused_while_its_parts_wait_leaves_nothing_queued_or_held(tokenizer):
-    """The first part of the second call is refused (429: the queue is full), while its
-    follower parts, which are never refused, have queued: they are taken out of the queue with
-    it, nothing stays held, and the first call is answered."""
+    """The first part of the second call is refused (429: the queue is full): none of its
+    other parts queues (they follow only an admitted part), nothing stays held, and the first
+    call is answered."""
     from embedfleet.deployments.common.errors import Overloaded
 
     eng = HeldScorer(tokenizer)
@@ -195,7 +198,9 @@ def test_a_call_refused_while_its_parts_wait_leaves_nothing_queued_or_held(token
 
     async def run():
         first = asyncio.ensure_future(rr.rerank(RerankCall("q", docs, "r0", "rr")))
-        for _ in range(20):
+        for _ in range(1000):  # until the whole first call is in the engine
+            if eng.held == sum(map(len, ids)):
+                break
             await asyncio.sleep(0)
         with pytest.raises(Overloaded):
             await rr.rerank(RerankCall("q", docs, "r1", "rr"))
@@ -207,3 +212,26 @@ def test_a_call_refused_while_its_parts_wait_leaves_nothing_queued_or_held(token
     assert len(res.scores) == len(docs)
     assert snap["waiting"] == 0 and snap["waiting_tokens"] == 0
     assert budget.snapshot()["inflight_tokens"] == 0 and eng.held == 0
+
+
+def test_a_part_refused_after_others_ran_cancels_them_and_hands_their_budget_back(tokenizer):
+    """Half the call's parts fill the budget and hold it in the engine; the next part times out
+    in the queue (429). The call fails as a whole: its parts in the engine are cancelled, and
+    their budget is handed back at once."""
+    from embedfleet.deployments.common.errors import Overloaded
+
+    eng = HeldScorer(tokenizer)
+    docs = [f"document {i}" for i in range(16)]
+    probe, _ = _path(tokenizer, StandinScorer(tokenizer))
+    ids, _ = probe.pair_ids("q", docs, truncate=False)
+    rr, budget = _path(tokenizer, eng, budget_tokens=sum(map(len, ids)) // 2)
+    budget._queue_timeout_s = 0.05
+
+    async def run():
+        with pytest.raises(Overloaded):
+            await rr.rerank(RerankCall("q", docs, "r0", "rr"))
+        return budget.snapshot(), eng.held
+
+    snap, held = asyncio.run(run())
+    assert snap["inflight_tokens"] == 0 and snap["waiting"] == 0 and held == 0
+    assert sum(snap["rejected"].values()) == 1  # one request refused, counted once

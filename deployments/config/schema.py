@@ -196,13 +196,10 @@ class ModelConfig(_Strict):
 
     @property
     def large_call_tokens(self) -> int:
-        if self.admission.large_call_tokens:
-            return self.admission.large_call_tokens
-        step = self.engine.max_num_batched_tokens
-        # A reranker's ordinary call (a query and tens of documents) is thousands of tokens,
-        # and every call of its clients is that shape: split, it waits for its own runs and
-        # protects no one. Its calls go in runs past a whole engine step.
-        return step if self.task == "rerank" else max(1, step // 8)
+        step = self.engine.max_num_batched_tokens  # a reranker's every call is a query with
+        # its documents, thousands of tokens: split into small runs it waits for its own runs
+        return self.admission.large_call_tokens or (
+            step if self.task == "rerank" else max(1, step // 8))
 
     @property
     def budget_ceiling(self) -> Ceiling:

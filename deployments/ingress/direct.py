@@ -1,7 +1,8 @@
 """A one-model app's engine replica that takes HTTP itself: the Router hop taken out.
 
-With ``router.ingress`` resolved to ``engine`` (one model, always at least one replica, no
-prefix-affinity routing), the engine deployment is the app's ingress: HAProxy (or Serve's proxy)
+With ``router.ingress`` resolved to ``engine`` (one model, an embedder or a reranker, always
+at least one replica, no prefix-affinity routing over more than one replica), the engine
+deployment is the app's ingress: HAProxy (or Serve's proxy)
 hands each request to a replica, and the replica runs the same ``ApiRoutes`` and ``EmbedPipeline``
 as the Router, with its own request path as the model's only caller. What the Router did besides
 that, and where it went:

@@ -128,7 +128,7 @@ class RequestPath:
             out: list[Embedding] = []
             engines: list[EmbeddingEngine] = []
             start = 0
-            if in_parts and schedule == "interactive":
+            if in_parts and schedule == "interactive" and pieces:
                 out, engines = await self._admitted_parts(pieces, call)
                 start = len(pieces)
             while start < len(pieces):
@@ -141,7 +141,8 @@ class RequestPath:
             if all(e is engines[0] for e in engines):
                 return out
         raise EngineUnavailable(f"replica {self._replica_id}: its engine was replaced under "
-                                "every run of a bulk call", retry_after_s=self._retry_after_s)
+                                "every try of a call in runs or parts",
+                                retry_after_s=self._retry_after_s)
 
     def _run_end(self, pieces: list[list[int]], start: int, lane: Lane,
                  call_lane: Lane = "bulk") -> int:
@@ -185,12 +186,22 @@ class RequestPath:
 
     async def _admitted_parts(self, pieces: list[list[int]], call: EmbedCall
                               ) -> tuple[list[Embedding], list[EmbeddingEngine]]:
-        """The call's parts (``_parts``) admitted and embedded concurrently: the first as a new
-        call (it may be refused, 429), the others as its followers (queued behind it, never
-        refused once it is in). The first to fail cancels the others."""
-        tasks = [asyncio.ensure_future(self._admitted_run(part, call, "interactive", k > 0))
-                 for k, part in enumerate(self._parts(pieces))]
+        """The call's parts (``_parts``), each sent to the engine as soon as it is admitted,
+        while the next one queues: the first as a new call (it may be refused, 429), the others
+        as its followers once it is in. One waiter a call at a time, as a call in runs, so the
+        queue's limits and its refusals count calls, not parts. The first part to fail cancels
+        the others (their budget is handed back)."""
+        tasks: list[asyncio.Task] = []
         try:
+            for k, part in enumerate(self._parts(pieces)):
+                admitted = asyncio.Event()
+                tasks.append(asyncio.ensure_future(
+                    self._admitted_run(part, call, "interactive", k > 0, admitted)))
+                waiting = asyncio.ensure_future(admitted.wait())
+                await asyncio.wait((tasks[-1], waiting), return_when=asyncio.FIRST_COMPLETED)
+                waiting.cancel()
+                if tasks[-1].done():
+                    tasks[-1].result()  # refused, or failed: raises
             done = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
@@ -200,12 +211,15 @@ class RequestPath:
         return [e for got, _ in done for e in got], [engine for _, engine in done]
 
     async def _admitted_run(self, run: list[list[int]], call: EmbedCall, schedule: Lane,
-                            follows: bool) -> tuple[list[Embedding], EmbeddingEngine]:
+                            follows: bool, admitted: asyncio.Event | None = None
+                            ) -> tuple[list[Embedding], EmbeddingEngine]:
         """One run admitted in the call's lane, then embedded at ``schedule``'s vLLM priority;
         with the engine that embedded it."""
         n_tokens = sum(len(p) for p in run)
         async with self.queue.admit(len(run), n_tokens, lane=call.lane, follows=follows,
                                     runs=schedule == "bulk"):
+            if admitted is not None:
+                admitted.set()
             self.inflight_sequences += len(run)
             self.inflight_tokens += n_tokens
             self._rec.observe("embedfleet_engine_batch_size", len(run), self._tag)

@@ -105,8 +105,8 @@ class RouterConfig(BaseModel):
         "engine), one hop less: about 2.7 CPU-s per 1,000 online texts and ~8 ms per request "
         "on two CPU cores. It needs one model, min_replicas >= 1 (a Router holds calls through "
         "a scale-to-zero cold start) and no prefix-affinity routing over more than one replica "
-        "(HAProxy balances by connections, not by prompt). An embedder or a reranker. A request then runs on the replica that took it, all of "
-        "it (the Router slices one of more than 128 inputs over the replicas). `auto`: "
+        "(HAProxy balances by connections, not by prompt). An embedder or a reranker. A "
+        "request then runs on the replica that took it, all of it (the Router slices one of more than 128 inputs over the replicas). `auto`: "
         "`engine` when the app allows it, http_ingress is haproxy and the model has a fixed "
         "number of replicas (min = max), else `router`.")
 

@@ -158,14 +158,10 @@ class RequestPath:
         share, a second or more of work on a slow card."""
         if lane != "bulk":
             return len(pieces)
-        cap, end, tokens = self.queue.bulk_token_cap, start + 1, len(pieces[start])
+        cap = self.queue.bulk_token_cap
         if call_lane != "bulk":
             cap = min(cap, self._large_call_tokens)
-        stop = min(len(pieces), start + self.queue.bulk_seq_cap)
-        while end < stop and tokens + len(pieces[end]) <= cap:
-            tokens += len(pieces[end])
-            end += 1
-        return end
+        return _packed_end(pieces, start, cap, min(len(pieces), start + self.queue.bulk_seq_cap))
 
     def _parts(self, pieces: list[list[int]]) -> list[list[list[int]]]:
         """A call's pieces in consecutive parts of at most an eighth of the token budget (at
@@ -174,14 +170,11 @@ class RequestPath:
         (one 4,800-token rerank call at a time in an 8,192-token budget); in parts, each goes
         to the engine as soon as it fits, and in-flight tokens stay within the budget."""
         grain = max(1, self.queue.limits[1] // ADMIT_PARTS)
-        parts: list[list[list[int]]] = [[]]
-        tokens = 0
-        for p in pieces:
-            if parts[-1] and tokens + len(p) > grain:
-                parts.append([])
-                tokens = 0
-            parts[-1].append(p)
-            tokens += len(p)
+        parts, start = [], 0
+        while start < len(pieces):
+            end = _packed_end(pieces, start, grain, len(pieces))
+            parts.append(pieces[start:end])
+            start = end
         return parts
 
     async def _admitted_parts(self, pieces: list[list[int]], call: EmbedCall
@@ -290,3 +283,13 @@ class RequestPath:
         if chunks:
             rec.inc("embedfleet_chunks_total", chunks, tag)
         rec.observe("embedfleet_engine_latency_seconds", seconds, tag)
+
+
+def _packed_end(pieces: list[list[int]], start: int, cap: float, stop: int) -> int:
+    """Where a run of ``pieces`` from ``start`` ends: as many as fit ``cap`` tokens, before
+    ``stop``, and at least one (a piece is not split)."""
+    end, tokens = start + 1, len(pieces[start])
+    while end < stop and tokens + len(pieces[end]) <= cap:
+        tokens += len(pieces[end])
+        end += 1
+    return end
